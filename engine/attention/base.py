@@ -1,0 +1,49 @@
+"""Attention backend interface.
+
+The model runner calls `prepare(batch)` once per step (building whatever index tensors the
+backend needs, shared by all layers), then every layer calls `forward(layer, q, k, v, metadata)`,
+which stores the step's keys and values into the paged cache at `batch.slot_mapping` and returns
+attention outputs for every token of the flat batch: full attention over each sequence's cached
+context, causal within its new tokens, grouped-query heads sharing their KV head.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.batch import FlatBatch
+from engine.kv_cache import KVCache
+
+
+class AttentionBackend(ABC):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def prepare(self, batch: FlatBatch) -> object:
+        """Per-step metadata derived from the batch; called once before the layers run."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        metadata: object,
+    ) -> torch.Tensor:
+        """q [T, heads, dim], k/v [T, kv_heads, dim] -> out [T, heads, dim]; writes k/v to cache."""

@@ -1,0 +1,87 @@
+"""Engine configuration: one dataclass, checked once, passed down.
+
+`EngineConfig` holds what the operator chooses; `ModelConfig` (model_config.py) holds what the
+model folder dictates. Nothing reads configuration from the environment after construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Operator-chosen settings of one engine (one node, one device).
+
+    model: a model folder (config.json + *.safetensors + tokenizer files); None means the
+        default model, downloaded on first use.
+    dtype: "auto" (fp32 on CPU; the config's 16-bit dtype or bf16 on CUDA) or a dtype name.
+    kv_cache_memory: bytes for the KV cache; on CUDA, None means a fraction
+        `gpu_memory_utilization` of the device's memory minus what is already in use.
+    max_model_len: None means the model's `max_position_embeddings`.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "torch"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(
+                f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        if config_dtype in (torch.float16, torch.bfloat16):
+            return config_dtype
+        return torch.bfloat16

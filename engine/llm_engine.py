@@ -1,0 +1,129 @@
+"""The engine core: requests in, token steps out. No text, no I/O, no threads.
+
+`add_request` validates and queues; each `step()` schedules one iteration, runs it, appends the
+sampled tokens, finishes what ended (freeing blocks in the same step) and returns per-request
+`StepOutput`s. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
+live above it (`engine.output_processor`), which ends requests through `finish_request`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import StepOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def _resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from engine.default_model import ensure_default_model
+
+        return ensure_default_model()
+    return Path(model)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_path = _resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
+        )
+        self.sequences: dict[str, Sequence] = {}
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queues a request; raises ValueError if it is malformed or can never fit."""
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, params)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.model_config.eos_token_ids)
+        seq = Sequence(
+            request_id, prompt_token_ids, params, frozenset(stop_ids), self.runner.device
+        )
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids):,} tokens and max_tokens is "
+                f"{params.max_tokens:,}; the model's maximum context length is "
+                f"{self.max_model_len:,} tokens"
+            )
+        needed = self.block_manager.blocks_for_tokens(total)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids):,} tokens and max_tokens is "
+                f"{params.max_tokens:,}, needing {needed:,} KV blocks; the KV cache holds "
+                f"only {self.block_manager.num_blocks:,}"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """Ends a request now (abort, stop string); its blocks are freed at once."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[StepOutput]:
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return []
+        samples = self.runner.execute(schedule)
+        for scheduled in schedule.scheduled:
+            scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
+        outputs = []
+        for scheduled, sample in samples:
+            seq = scheduled.seq
+            reason = seq.append_token(sample.token_id)
+            if reason is not None:
+                self.sequences.pop(seq.request_id, None)
+                self.scheduler.finish(seq, reason)
+            outputs.append(
+                StepOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[sample.token_id],
+                    new_logprobs=[sample.logprobs] if sample.logprobs else [],
+                    finish_reason=reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                )
+            )
+        return outputs
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(seq.block_table for seq in self.sequences.values())

@@ -1,0 +1,97 @@
+"""Turns the logits of the sampled positions into next tokens, one row per sequence.
+
+Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then sample with
+exponential races (argmax of p / Exp(1) noise), drawing the noise from the sequence's own
+generator when it has a seed, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        logits = logits.float()
+        self._suppress_early_stops(logits, seqs)
+        raw_logprobs = None
+        if any(seq.params.logprobs is not None for seq in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = self._filtered_probs(logits.index_select(0, rows), [seqs[i] for i in random_rows])
+            token_ids[rows] = self._race(probs, [seqs[i] for i in random_rows])
+
+        token_list = token_ids.tolist()
+        results = []
+        for i, (seq, token_id) in enumerate(zip(seqs, token_list)):
+            logprobs = None
+            if raw_logprobs is not None and seq.params.logprobs is not None:
+                logprobs = _token_logprobs(raw_logprobs[i], token_id, seq.params.logprobs)
+            results.append(SampleResult(token_id, logprobs))
+        return results
+
+    @staticmethod
+    def _suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
+                logits[i, list(seq.stop_token_ids)] = float("-inf")
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        device = logits.device
+        temperatures = torch.tensor([s.params.temperature for s in seqs], device=device)
+        logits = logits / temperatures[:, None]
+        top_ks = [s.params.top_k for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[-1]
+            ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device)
+            ranks = torch.arange(vocab, device=device)
+            drop = ranks[None, :] >= ks[:, None]
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= torch.tensor(top_ps, device=device)[:, None]
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(-1, sorted_index, sorted_logits)
+        return logits.softmax(dim=-1)
+
+    def _race(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        for row, seq in enumerate(seqs):
+            noise[row].exponential_(generator=seq.generator or self.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    top: list[tuple[int, float]] = []
+    if num_top:
+        values, indices = row.topk(num_top)
+        top = list(zip(indices.tolist(), values.tolist()))
+    return TokenLogprobs(token_id, float(row[token_id]), top)
