@@ -32,6 +32,7 @@ class EngineConfig:
     dtype: "auto" (fp32 on CPU; the config's 16-bit dtype or bf16 on CUDA) or a dtype name.
     kv_cache_memory: bytes for the KV cache; on CUDA, None means a fraction
         `gpu_memory_utilization` of the device's memory minus what is already in use.
+    num_kv_blocks: an exact block count, overriding the memory budget (tests, capacity drills).
     max_model_len: None means the model's `max_position_embeddings`.
     """
 
@@ -43,6 +44,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "torch"
     num_threads: int | None = None
@@ -63,6 +65,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
             )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

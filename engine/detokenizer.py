@@ -29,7 +29,7 @@ class IncrementalDetokenizer:
     in U+FFFD (usually a multi-byte character split across byte-level tokens) and text ending
     in a run of byte-fallback tokens such as <0xE2>. A later token completes it, or `flush`
     releases it. Work per call is proportional to the tokens since the last emission plus the
-    prefix, i.e. O(1) amortized per token; only a run of undecodable bytes grows the window.
+    prefix, i.e. O(1) amortized per token; only a long undecodable or byte-token run grows it.
 
     The concatenated deltas (with `flush`) equal
     `tokenizer.decode(generated_ids, skip_special_tokens=...)`. The prompt is deliberately not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
 from engine.config import EngineConfig
@@ -61,6 +62,26 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, params)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields one prompt's text as it is generated, piece by piece."""
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        self.engine.validate_prompt(ids, params)
+        request_id = str(next(self._request_counter))
+        processor = OutputProcessor(self.tokenizer)
+        self.engine.add_request(request_id, ids, params)
+        processor.add_request(request_id, None, ids, params)
+        state = processor.requests[request_id]
+        try:
+            while not state.output.finished:
+                for stopped in processor.process(self.engine.step()):
+                    self.engine.finish_request(stopped, "stop")
+                if state.text_delta:
+                    yield state.text_delta
+                    state.text_delta = ""
+        finally:
+            self.engine.abort_request(request_id)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

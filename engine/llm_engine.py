@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.models import model_class
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -41,6 +42,7 @@ class LLMEngine:
         self.config = config
         self.model_path = _resolve_model_path(config.model)
         self.model_config = ModelConfig.from_folder(self.model_path)
+        model_class(self.model_config)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = load_tokenizer(self.model_path)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)

@@ -19,7 +19,7 @@ def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"{folder} holds no *.safetensors weights")
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
 

@@ -12,7 +12,7 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.sampler import SampleResult, Sampler
+from engine.sampler import Sampler, SampleResult
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class ModelRunner:
             block_size=config.block_size,
             dtype=self.dtype,
         )
-        self.kv_cache = KVCache(spec, spec.num_blocks_for(self._kv_cache_budget()), self.device)
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(self._kv_cache_budget())
+        self.kv_cache = KVCache(spec, num_blocks, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.kv_cache.num_blocks, config.block_size,
@@ -55,6 +56,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return int(total * self.config.gpu_memory_utilization) - (total - free)
 
+    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[tuple[ScheduledSequence, SampleResult]]:
         """Runs the step; returns a sample for each sequence whose chunk reached its end."""
         self.kv_cache.copy_blocks(step.blocks_to_copy)

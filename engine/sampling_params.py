@@ -30,7 +30,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")  # noqa: TRY004
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -55,4 +55,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature == 0.0

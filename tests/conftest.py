@@ -17,3 +17,27 @@ def default_model_dir() -> Path:
     from engine.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight Llama (two KV heads for four query heads) with a byte tokenizer."""
+    from tests.tiny_models import save_tiny_model
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama_dir):
+    """One engine shared by the behaviour tests; each test must leave every block free."""
+    from engine import LLM
+
+    return LLM(str(tiny_llama_dir))
+
+
+@pytest.fixture
+def clean_tiny_llm(tiny_llm):
+    yield tiny_llm
+    tiny_llm.engine.check_integrity()
+    manager = tiny_llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks

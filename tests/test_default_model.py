@@ -180,6 +180,9 @@ def test_interrupted_conversion_leaves_no_valid_folder(
         reference = default_model_dir / name
         if name == "model.safetensors":
             assert (target / name).stat().st_size == reference.stat().st_size
+        elif name.endswith(".json"):
+            produced = json.loads((target / name).read_text())
+            assert produced == json.loads(reference.read_text()), name
         else:
             assert (target / name).read_bytes() == reference.read_bytes(), name
 

@@ -51,7 +51,9 @@ def metaspace_tokenizer(llama_decoder: bool) -> PreTrainedTokenizerFast:
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     tok.train_from_iterator(CORPUS, trainer)
     spec = json.loads(tok.to_str())  # add the 256 byte tokens and turn byte fallback on
     vocab = spec["model"]["vocab"]
@@ -60,14 +62,11 @@ def metaspace_tokenizer(llama_decoder: bool) -> PreTrainedTokenizerFast:
     spec["model"].update(byte_fallback=True, unk_token="<unk>")
     tok = Tokenizer.from_str(json.dumps(spec))
     if llama_decoder:
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-             decoders.Strip(" ", 1, 0)]
-        )  # fmt: skip
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
     else:
-        tok.decoder = decoders.Sequence(
-            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="always")]
-        )
+        metaspace = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), metaspace])
     return _wrap(tok)
 
 
@@ -78,7 +77,9 @@ def tokenizer(request: pytest.FixtureRequest) -> PreTrainedTokenizerFast:
     return metaspace_tokenizer(llama_decoder=request.param == "llama")
 
 
-def _stream(tokenizer: PreTrainedTokenizerFast, ids: list[int], chunks: list[int], skip: bool) -> tuple[list[str], str]:
+def _stream(
+    tokenizer: PreTrainedTokenizerFast, ids: list[int], chunks: list[int], skip: bool
+) -> tuple[list[str], str]:
     """Feeds `ids` in chunks of the given sizes; returns the pieces (flush last) and the text."""
     detok = IncrementalDetokenizer(tokenizer, [1, 5, 7], skip_special_tokens=skip)
     pieces, start = [], 0
@@ -138,7 +139,9 @@ def test_byte_level_text_is_emitted_as_soon_as_it_is_complete() -> None:
 
 
 @pytest.mark.parametrize("text", ["A🦄B", "🦄🐍 x", "ok 漢字ß!"])
-def test_split_characters_are_emitted_whole(tokenizer: PreTrainedTokenizerFast, text: str) -> None:
+def test_split_characters_are_emitted_whole(
+    tokenizer: PreTrainedTokenizerFast, text: str
+) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "no character spans tokens"
     pieces, _ = _stream(tokenizer, ids, [1] * len(ids), skip=True)
@@ -184,9 +187,8 @@ def _feed_all(stop: list[str], chunks: list[str]) -> list[tuple[str, bool]]:
 
 
 def test_stop_split_across_chunks() -> None:
-    assert _feed_all(["STOP"], ["abc ST", "O", "P and more", "x"]) == [
-        ("abc ", False), ("", False), ("", True), ("", True)
-    ]  # fmt: skip
+    results = _feed_all(["STOP"], ["abc ST", "O", "P and more", "x"])
+    assert results == [("abc ", False), ("", False), ("", True), ("", True)]
 
 
 def test_stop_not_a_prefix_after_all() -> None:
@@ -199,9 +201,8 @@ def test_stop_not_a_prefix_after_all() -> None:
 
 def test_earliest_stop_wins() -> None:
     assert _feed_all(["world", "lo"], ["hello world"]) == [("hel", True)]
-    assert _feed_all(["world", "lo"], ["hel", "l", "o world"]) == [
-        ("he", False), ("l", False), ("", True)
-    ]  # fmt: skip
+    results = _feed_all(["world", "lo"], ["hel", "l", "o world"])
+    assert results == [("he", False), ("l", False), ("", True)]
 
 
 def test_overlapping_stop() -> None:
@@ -242,7 +243,7 @@ def test_stop_matcher_against_naive_reference() -> None:
         text = "".join(rng.choices("abcd", k=rng.randint(0, 16)))
         cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, len(text))))
         chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
-        matcher, emitted, stopped = StopStringMatcher(stop), "", False
+        matcher, emitted = StopStringMatcher(stop), ""
         for n, chunk in enumerate(chunks):
             piece, stopped = matcher.feed(chunk)
             emitted += piece

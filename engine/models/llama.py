@@ -128,7 +128,6 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.weight
         return self.lm_head.weight
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -1,0 +1,141 @@
+"""The `pdserve` command.
+
+  pdserve download            fetch and convert the default model (idempotent)
+  pdserve generate PROMPT...  one-shot greedy generation, printed as it streams
+  pdserve chat                interactive chat with the model's chat template
+  pdserve serve               until the HTTP router lands: chat on a terminal, otherwise
+                              answer one question and exit
+
+Node code is imported inside each subcommand, so `pdserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+
+
+def _make_llm(args: argparse.Namespace):
+    from engine import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+
+
+def _params(args: argparse.Namespace):
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+
+
+def _print_stream(pieces) -> None:
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from engine.default_model import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    _print_stream(llm.stream(" ".join(args.prompt), _params(args)))
+    return 0
+
+
+def _chat_turn(llm, history: list[dict], params) -> str:
+    from engine.tokenizer import apply_chat_template
+
+    pieces = []
+    for piece in llm.stream(apply_chat_template(llm.tokenizer, history), params):
+        pieces.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return "".join(pieces)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    history: list[dict] = []
+    print("pdserve chat: type a message, or an empty line to quit.", file=sys.stderr)
+    while True:
+        try:
+            message = input("> ").strip()
+        except EOFError:
+            return 0
+        if not message:
+            return 0
+        history.append({"role": "user", "content": message})
+        history.append({"role": "assistant", "content": _chat_turn(llm, history, params)})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if sys.stdin.isatty():
+        return cmd_chat(args)
+    llm = _make_llm(args)
+    print(f"> {args.question}")
+    _chat_turn(llm, [{"role": "user", "content": args.question}], _params(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("download", help="fetch and convert the default model").set_defaults(
+        run=cmd_download
+    )
+    generate = sub.add_parser("generate", help="one-shot generation")
+    generate.add_argument("prompt", nargs="+")
+    _engine_args(generate)
+    generate.set_defaults(run=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat")
+    _engine_args(chat)
+    chat.set_defaults(run=cmd_chat)
+    serve = sub.add_parser("serve", help="run the main job on the model")
+    _engine_args(serve)
+    serve.add_argument("--question", default="What is the capital of France?")
+    serve.set_defaults(run=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as error:
+        print(f"pdserve: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
