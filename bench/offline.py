@@ -31,6 +31,7 @@ The report is printed and written as markdown to ``--output``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -40,11 +41,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python bench/offline.py` puts bench/ first, not the root
@@ -59,13 +60,13 @@ TARGET_FLOOR_FRACTION = 0.70
 # --------------------------------------------------------------------------- data types
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Request:
     prompt: list[int]
     max_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Throughput:
     """One system's run: useful tokens are the requests' own max_tokens, summed."""
 
@@ -80,13 +81,14 @@ class Throughput:
         return self.useful_tokens / self.seconds
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DecodeTiming:
     """Batch-1 decode: per-step wall times of engine.step() and of the model forward in it."""
 
     prompt_len: int
     step_s: list[float]
     forward_s: list[float]
+    matmuls_s: float = 0.0  # the model's matmul layers alone, each called on a [1, in] input
 
     @property
     def median_step_s(self) -> float:
@@ -97,7 +99,7 @@ class DecodeTiming:
         return statistics.median(self.forward_s)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OpRow:
     name: str
     self_ms_per_step: float
@@ -105,7 +107,7 @@ class OpRow:
     calls_per_step: float
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ProfileSummary:
     title: str
     num_steps: int
@@ -124,8 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="default: torch's current")
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX")
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX")
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
@@ -169,7 +175,13 @@ def machine_info() -> dict[str, str]:
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "load average at start": load_average(),
     }
+
+
+def load_average() -> str:
+    """1-minute load average: other processes on this small machine skew every number."""
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
 
 
 def resolve_model(model: str | None) -> Path:
@@ -280,7 +292,7 @@ PHASES = ("pd.step", "pd.schedule", "pd.build_batch", "pd.attn_prepare", "pd.mod
 @contextmanager
 def labelled_phases(engine: Any) -> Iterator[None]:
     """Wraps the engine's phases in profiler ranges: schedule, batch, metadata, model, sample."""
-    import engine.model_runner as model_runner
+    from engine import model_runner
 
     runner = engine.runner
     with (
@@ -322,15 +334,76 @@ def measure_decode_b1(engine: Any, prompt: list[int], num_steps: int) -> DecodeT
     return DecodeTiming(len(prompt), step_s, forward_s)
 
 
-def unique_param_bytes(model: torch.nn.Module) -> int:
-    """Bytes of all distinct parameters (a tied embedding / lm_head counts once)."""
+def matmul_calls(model: torch.nn.Module) -> list[Callable[[], torch.Tensor]]:
+    """One batch-1 call per matmul layer of the model (leaf modules with a 2-D `weight` [out,
+    in] or `weight_t` [in, out], embeddings excluded), plus the output head when it is the
+    tied embedding used through `lm_head_weight` rather than a module of its own."""
+    calls: list[Callable[[], torch.Tensor]] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or next(module.children(), None) is not None:
+            continue
+        weight_t, weight = getattr(module, "weight_t", None), getattr(module, "weight", None)
+        if isinstance(weight_t, torch.Tensor) and weight_t.dim() == 2:
+            in_features = weight_t.shape[0]
+        elif isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            in_features = weight.shape[1]
+        else:
+            continue
+        x = torch.randn(1, in_features)
+        calls.append(lambda module=module, x=x: module(x))
+    head = getattr(model, "lm_head_weight", None)
+    if head is not None and any(head.data_ptr() == m.weight.data_ptr() for m in _embeddings(model)):
+        x_head = torch.randn(1, head.shape[1])
+        calls.append(lambda: F.linear(x_head, head))
+    return calls
+
+
+def _embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+
+
+@torch.inference_mode()
+def time_matmuls_b1(model: torch.nn.Module) -> float:
+    """Batch-1 time of the model's matmul layers alone (best of 5): the kernel part of a
+    decode step, without attention, norms, activations or Python glue between them."""
+    from bench.bandwidth import best_time
+
+    calls = matmul_calls(model)
+    return best_time(lambda: [call() for call in calls], 5)
+
+
+def best_bandwidth(first: Any, second: Any) -> Any:
+    """Per measurement, the better of two runs (this machine's bandwidth drifts over time)."""
+    return dataclasses.replace(
+        first,
+        copy_read=max(first.copy_read, second.copy_read),
+        sum_read=max(first.sum_read, second.sum_read),
+        gemv_read=max(first.gemv_read, second.gemv_read),
+    )
+
+
+def decode_weight_bytes(model: torch.nn.Module, vocab_size: int) -> int:
+    """Bytes of weights one decode step streams: every distinct parameter except embedding
+    tables (a decode gathers a few rows), plus the embedding once if it is also the output head
+    (tied, and no other [vocab, hidden] matrix exists)."""
+    embedding_ptrs = {m.weight.data_ptr(): m.weight for m in _embeddings(model)}
     seen: set[int] = set()
-    total = 0
+    total, has_head = 0, False
     for param in model.parameters():
-        if param.data_ptr() not in seen:
-            seen.add(param.data_ptr())
-            total += param.numel() * param.element_size()
+        if param.data_ptr() in seen or param.data_ptr() in embedding_ptrs:
+            continue
+        seen.add(param.data_ptr())
+        total += param.numel() * param.element_size()
+        has_head |= param.dim() == 2 and vocab_size in param.shape
+    if not has_head:
+        total += sum(w.numel() * w.element_size() for w in embedding_ptrs.values())
     return total
+
+
+def unique_param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all distinct parameters (shared storage counted once)."""
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(unique.values())
 
 
 # --------------------------------------------------------------------------- profiling
@@ -385,7 +458,9 @@ def summarize_profile(
         )
         for e in ranked
     ]
-    return ProfileSummary(title, num_steps, tokens / num_steps, wall * 1e3 / num_steps, phases, rows)
+    return ProfileSummary(
+        title, num_steps, tokens / num_steps, wall * 1e3 / num_steps, phases, rows
+    )
 
 
 def profile_prefill(engine: Any, workload: list[Request], budget: int, top: int) -> ProfileSummary:
@@ -402,9 +477,7 @@ def profile_prefill(engine: Any, workload: list[Request], budget: int, top: int)
     return summary
 
 
-def profile_decode(
-    engine: Any, workload: list[Request], steps: int, top: int
-) -> ProfileSummary:
+def profile_decode(engine: Any, workload: list[Request], steps: int, top: int) -> ProfileSummary:
     """`steps` pure-decode steps with every workload request running."""
     ids = [f"prof-d{i}" for i in range(len(workload))]
     for request_id, request in zip(ids, workload):
@@ -412,8 +485,9 @@ def profile_decode(
     scheduler = engine.scheduler
     step_until(
         engine,
-        lambda: not scheduler.waiting
-        and all(s.num_uncomputed_tokens == 1 for s in scheduler.running),
+        lambda: (
+            not scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in scheduler.running)
+        ),
     )
     title = f"decode steps, batch {len(scheduler.running)}"
     summary = profile_steps(engine, title, steps, top)
@@ -442,7 +516,7 @@ def load_hf_model(model_path: Path) -> Any:
     if pad is None:
         pad = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = pad if isinstance(pad, int) else 0
+    model.generation_config.pad_token_id = pad if isinstance(pad, int) else next(iter(pad))
     return model
 
 
@@ -451,8 +525,8 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
@@ -467,7 +541,7 @@ def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[l
         min_new_tokens=new_tokens,
         do_sample=False,
     )
-    generated = out[:, ids.shape[1]:]
+    generated = out[:, ids.shape[1] :]
     if generated.shape[1] != new_tokens:
         raise RuntimeError(f"transformers generated {generated.shape[1]} != {new_tokens} tokens")
     return generated.tolist()
@@ -478,7 +552,7 @@ def run_hf_batched(model: Any, workload: list[Request], batch_size: int) -> Thro
     useful = computed = 0
     start = time.perf_counter()
     for first in range(0, len(workload), batch_size):
-        batch = workload[first:first + batch_size]
+        batch = workload[first : first + batch_size]
         longest = max(r.max_tokens for r in batch)
         hf_generate(model, [r.prompt for r in batch], longest)
         useful += sum(r.max_tokens for r in batch)
@@ -500,16 +574,29 @@ def run_hf_single(model: Any, workload: list[Request]) -> tuple[Throughput, list
     return Throughput(name, len(workload), useful, useful, seconds), tokens
 
 
-def parity(pdserve_tokens: list[list[int]], hf_tokens: list[list[int]]) -> list[str]:
-    """One line per request: identical, or the index of the first differing token."""
-    lines = []
-    for i, (ours, theirs) in enumerate(zip(pdserve_tokens, hf_tokens)):
+def first_differences(
+    pdserve_tokens: list[list[int]], hf_tokens: list[list[int]]
+) -> list[int | None]:
+    """Per request (zip order): the index of the first differing token, None if identical."""
+    diffs: list[int | None] = []
+    for ours, theirs in zip(pdserve_tokens, hf_tokens):
         if ours == theirs:
-            lines.append(f"request {i}: identical ({len(ours)} tokens)")
+            diffs.append(None)
             continue
         first = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        first = min(len(ours), len(theirs)) if first is None else first
-        lines.append(f"request {i}: first difference at token {first} of {len(ours)}")
+        diffs.append(min(len(ours), len(theirs)) if first is None else first)
+    return diffs
+
+
+def parity_lines(diffs: list[int | None], workload: list[Request]) -> list[str]:
+    """The summary line "parity: N/M requests identical", then one line per mismatch."""
+    same = sum(d is None for d in diffs)
+    lines = [f"parity: {same}/{len(diffs)} requests identical"]
+    lines += [
+        f"request {i}: first difference at token {d} of {workload[i].max_tokens}"
+        for i, d in enumerate(diffs)
+        if d is not None
+    ]
     return lines
 
 
@@ -551,32 +638,56 @@ def ratio_section(runs: list[Throughput]) -> str:
 
 
 def decode_section(timing: DecodeTiming, weight_bytes: int, bandwidth: Any) -> str:
-    floor_s = weight_bytes / bandwidth.best_read
-    copy_floor_s = weight_bytes / bandwidth.copy_read
+    """Floor = weight bytes / copy bandwidth (bytes of src / time = bytes moved / 2)."""
+    floor_s = weight_bytes / bandwidth.copy_read
+    read_floor_s = weight_bytes / bandwidth.best_read
     step, forward = timing.median_step_s, timing.median_forward_s
     fraction = floor_s / step
     verdict = "met" if fraction >= TARGET_FLOOR_FRACTION else "NOT met"
+    ms = 1e3
     rows = [
-        ["weight bytes read per step (unique params)", f"{weight_bytes / 1e6:.1f} MB"],
-        ["read bandwidth: streaming sum", f"{bandwidth.sum_read / 1e9:.1f} GB/s"],
-        ["read bandwidth: 512 MiB GEMV", f"{bandwidth.gemv_read / 1e9:.1f} GB/s"],
-        ["copy bandwidth (bytes of src / time)", f"{bandwidth.copy_read / 1e9:.1f} GB/s"],
-        ["floor = weight bytes / max(sum, GEMV)", f"{floor_s * 1e3:.1f} ms"],
-        ["(floor with copy bandwidth instead)", f"{copy_floor_s * 1e3:.1f} ms"],
+        ["weight bytes read per step", f"{weight_bytes / 1e6:.1f} MB"],
+        ["copy bandwidth (bytes of src / time = bytes moved / 2) *", _gbs(bandwidth.copy_read)],
+        [
+            "streaming-read bandwidth (`sum`) / 512 MiB GEMV (`mv`) *",
+            f"{_gbs(bandwidth.sum_read)} / {_gbs(bandwidth.gemv_read)}",
+        ],
+        ["**floor** = weight bytes / copy bandwidth", f"**{floor_s * ms:.1f} ms**"],
+        ["stricter floor = weight bytes / best pure-read bandwidth", f"{read_floor_s * ms:.1f} ms"],
         [
             f"pdserve engine.step(), batch 1 (median of {len(timing.step_s)})",
-            f"**{step * 1e3:.1f} ms** (mean {statistics.mean(timing.step_s) * 1e3:.1f}, "
-            f"min {min(timing.step_s) * 1e3:.1f})",
+            (
+                f"**{step * ms:.1f} ms** (mean {statistics.mean(timing.step_s) * ms:.1f}, "
+                f"min {min(timing.step_s) * ms:.1f})"
+            ),
         ],
-        ["  of which model forward (median)", f"{forward * 1e3:.1f} ms"],
-        ["  engine overhead outside the forward", f"{(step - forward) * 1e3:.1f} ms"],
+        ["  of which model forward (median)", f"{forward * ms:.1f} ms"],
+        ["  engine overhead outside the forward", f"{(step - forward) * ms:.1f} ms"],
         [
-            "achieved fraction = floor / step time",
-            f"**{fraction:.0%}** (target >= {TARGET_FLOOR_FRACTION:.0%}: {verdict}); "
-            f"forward only: {floor_s / forward:.0%}",
+            "  the model's matmul layers alone, back to back (best of 5)",
+            f"{timing.matmuls_s * ms:.1f} ms ({_gbs(weight_bytes / timing.matmuls_s)})",
+        ],
+        [
+            "  forward time outside the matmuls (attention, norms, rope, Python glue)",
+            f"{(forward - timing.matmuls_s) * ms:.1f} ms",
+        ],
+        [
+            "**achieved fraction** = floor / step time",
+            (
+                f"**{fraction:.0%}** (target >= {TARGET_FLOOR_FRACTION:.0%}: {verdict}); "
+                f"vs stricter floor: {read_floor_s / step:.0%}"
+            ),
         ],
     ]
-    return md_table(["batch-1 decode", "value"], rows)
+    note = (
+        "\n\n\\* 512 MiB fp32 buffers, best of 5, measured twice (start of the run and just "
+        "before the batch-1 timing); the better of the two is shown."
+    )
+    return md_table(["batch-1 decode", "value"], rows) + note
+
+
+def _gbs(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.1f} GB/s"
 
 
 def profile_section(summary: ProfileSummary) -> str:
@@ -599,25 +710,38 @@ def profile_section(summary: ProfileSummary) -> str:
     return head + phases + "\n\n" + ops
 
 
+def parity_section(lines: list[str]) -> str:
+    summary = lines[0].removeprefix("parity: ")
+    head = f"Parity of greedy tokens, pdserve vs transformers batch 1: {summary}"
+    return "\n".join([head, *(f"- {line}" for line in lines[1:])]) + "\n"
+
+
+def setup_paragraph(results: dict[str, Any], args: argparse.Namespace) -> str:
+    return (
+        f"Model: `{results['model']}` ({results['param_bytes'] / 1e6:.0f} MB of fp32 "
+        f"parameters, {results['weight_bytes'] / 1e6:.0f} MB of them read per decode step). "
+        f"Workload: {args.num_requests} requests, seed {args.seed}, prompts "
+        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({results['prompt_tokens']:,} in all),"
+        f" outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, EOS ignored. "
+        f"pdserve: max_num_batched_tokens {args.max_num_batched_tokens}, max_num_seqs "
+        f"{args.max_num_seqs}, KV cache {args.kv_cache_gib:g} GiB, "
+        f"{results['preemptions']} preemptions.\n"
+    )
+
+
 def build_report(results: dict[str, Any], args: argparse.Namespace) -> str:
     parts = [
         "# Offline throughput: pdserve vs transformers\n",
         f"Command: `{results['command']}`\n",
         md_table(["machine", ""], [[k, v] for k, v in results["machine"].items()]),
         "",
-        f"Model: `{results['model']}` ({results['weight_bytes'] / 1e6:.0f} MB fp32). "
-        f"Workload: {args.num_requests} requests, seed {args.seed}, prompts "
-        f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({results['prompt_tokens']:,} in all),"
-        f" outputs {args.output_len[0]}-{args.output_len[1]} tokens, greedy, EOS ignored. "
-        f"pdserve: max_num_batched_tokens {args.max_num_batched_tokens}, max_num_seqs "
-        f"{args.max_num_seqs}, KV cache {args.kv_cache_gib:g} GiB, "
-        f"{results['preemptions']} preemptions.\n",
+        setup_paragraph(results, args),
         "## Throughput (useful output tokens/s)\n",
         throughput_section(results["runs"]),
         "",
         ratio_section(results["runs"]) if len(results["runs"]) > 1 else "",
         "",
-        f"Parity (pdserve greedy vs transformers batch 1): {results['parity_line']}\n",
+        parity_section(results["parity"]),
         "## Batch-1 decode vs the memory-bandwidth floor\n",
         decode_section(results["decode"], results["weight_bytes"], results["bandwidth"]),
         "",
@@ -640,9 +764,85 @@ def say(message: str) -> None:
     print(f"[offline {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def bench_pdserve(
+    args: argparse.Namespace, model_path: Path, results: dict[str, Any]
+) -> tuple[list[Request], list[list[int]]]:
+    """pdserve's part: throughput, batch-1 decode vs the floor, profiles. Fills `results`."""
     from bench.bandwidth import measure_bandwidth
     from engine.tokenizer import load_tokenizer
+
+    say("loading pdserve")
+    llm = build_llm(model_path, args)
+    engine = llm.engine
+    workload = make_workload(
+        load_tokenizer(model_path),
+        engine.model_config.vocab_size,
+        args.num_requests,
+        args.seed,
+        tuple(args.prompt_len),
+        tuple(args.output_len),
+    )
+    results["prompt_tokens"] = sum(len(r.prompt) for r in workload)
+    results["param_bytes"] = unique_param_bytes(engine.runner.model)
+    results["weight_bytes"] = decode_weight_bytes(
+        engine.runner.model, engine.model_config.vocab_size
+    )
+
+    say(f"pdserve: generating {sum(r.max_tokens for r in workload):,} tokens")
+    run, tokens = run_pdserve(llm, workload)
+    results["runs"] = [run]
+    results["preemptions"] = engine.scheduler.num_preemptions
+    say(f"pdserve: {run.tokens_per_s:.1f} useful tok/s in {run.seconds:.1f} s")
+
+    say("measuring memory bandwidth again, next to the batch-1 timing")
+    results["bandwidth"] = best_bandwidth(results["bandwidth"], measure_bandwidth())
+    say(f"pdserve: timing {args.decode_steps} batch-1 decode steps")
+    b1_prompt = workload[0].prompt[:32]
+    timing = measure_decode_b1(engine, b1_prompt, args.decode_steps)
+    matmuls = time_matmuls_b1(engine.runner.model)
+    results["decode"] = dataclasses.replace(timing, matmuls_s=matmuls)
+    say(f"pdserve: batch-1 step {timing.median_step_s * 1e3:.1f} ms (median)")
+
+    results["profiles"] = []
+    if not args.skip_profile:
+        say("profiling pdserve")
+        results["profiles"] = [
+            profile_prefill(engine, workload, args.max_num_batched_tokens, args.top_ops),
+            profile_decode(engine, workload, args.profile_steps, args.top_ops),
+            profile_decode_b1(engine, b1_prompt, 2 * args.profile_steps, args.top_ops),
+        ]
+    return workload, tokens
+
+
+def bench_transformers(
+    args: argparse.Namespace,
+    model_path: Path,
+    workload: list[Request],
+    pdserve_tokens: list[list[int]],
+    results: dict[str, Any],
+) -> None:
+    """transformers' part: static batches, batch 1 on the first K requests, parity."""
+    results["parity"] = ["not checked (--skip-hf-single)"]
+    if args.skip_hf_batched and args.skip_hf_single:
+        return
+    say("loading transformers")
+    model = load_hf_model(model_path)
+    if not args.skip_hf_batched:
+        say(f"transformers: static batches of {args.hf_batch_size}")
+        results["runs"].append(run_hf_batched(model, workload, args.hf_batch_size))
+        say(f"transformers batched: {results['runs'][-1].tokens_per_s:.1f} useful tok/s")
+    if not args.skip_hf_single:
+        single = workload[: args.hf_single_requests]
+        say(f"transformers: batch 1 on the first {len(single)} requests")
+        run, hf_tokens = run_hf_single(model, single)
+        results["runs"].append(run)
+        say(f"transformers batch 1: {run.tokens_per_s:.1f} useful tok/s")
+        results["parity"] = parity_lines(first_differences(pdserve_tokens, hf_tokens), workload)
+        print("\n".join(results["parity"]), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.bandwidth import measure_bandwidth
 
     args = parse_args(argv)
     if args.threads is not None:
@@ -657,66 +857,9 @@ def main(argv: list[str] | None = None) -> None:
 
     say("measuring memory bandwidth")
     results["bandwidth"] = measure_bandwidth()
-
-    say("loading pdserve")
-    llm = build_llm(model_path, args)
-    engine = llm.engine
-    workload = make_workload(
-        load_tokenizer(model_path),
-        engine.model_config.vocab_size,
-        args.num_requests,
-        args.seed,
-        tuple(args.prompt_len),
-        tuple(args.output_len),
-    )
-    results["prompt_tokens"] = sum(len(r.prompt) for r in workload)
-    results["weight_bytes"] = unique_param_bytes(engine.runner.model)
-
-    say(f"pdserve: generating {sum(r.max_tokens for r in workload):,} tokens")
-    pd_run, pd_tokens = run_pdserve(llm, workload)
-    results["preemptions"] = engine.scheduler.num_preemptions
-    runs = [pd_run]
-    say(f"pdserve: {pd_run.tokens_per_s:.1f} useful tok/s in {pd_run.seconds:.1f} s")
-
-    say(f"pdserve: timing {args.decode_steps} batch-1 decode steps")
-    b1_prompt = workload[0].prompt[:32]
-    results["decode"] = measure_decode_b1(engine, b1_prompt, args.decode_steps)
-    say(f"pdserve: batch-1 step {results['decode'].median_step_s * 1e3:.1f} ms (median)")
-
-    results["profiles"] = []
-    if not args.skip_profile:
-        say("profiling pdserve")
-        results["profiles"] = [
-            profile_prefill(engine, workload, args.max_num_batched_tokens, args.top_ops),
-            profile_decode(engine, workload, args.profile_steps, args.top_ops),
-            profile_decode_b1(engine, b1_prompt, 2 * args.profile_steps, args.top_ops),
-        ]
-    del llm, engine
-
-    hf_model = None
-    if not (args.skip_hf_batched and args.skip_hf_single):
-        say("loading transformers")
-        hf_model = load_hf_model(model_path)
-    if not args.skip_hf_batched:
-        say(f"transformers: static batches of {args.hf_batch_size}")
-        runs.append(run_hf_batched(hf_model, workload, args.hf_batch_size))
-        say(f"transformers batched: {runs[-1].tokens_per_s:.1f} useful tok/s")
-    results["parity_line"] = "not checked (--skip-hf-single)"
-    if not args.skip_hf_single:
-        single = workload[: args.hf_single_requests]
-        say(f"transformers: batch 1 on the first {len(single)} requests")
-        single_run, hf_tokens = run_hf_single(hf_model, single)
-        runs.append(single_run)
-        say(f"transformers batch 1: {single_run.tokens_per_s:.1f} useful tok/s")
-        lines = parity(pd_tokens, hf_tokens)
-        same = sum("identical" in line for line in lines)
-        results["parity_line"] = f"{same}/{len(lines)} requests identical"
-        results["parity_details"] = lines
-        print(f"parity: {same}/{len(lines)} requests identical", flush=True)
-        for line in lines:
-            if "identical" not in line:
-                print(f"  {line}", flush=True)
-    results["runs"] = runs
+    workload, pdserve_tokens = bench_pdserve(args, model_path, results)
+    bench_transformers(args, model_path, workload, pdserve_tokens, results)
+    results["machine"]["load average at end"] = load_average()
 
     report = build_report(results, args)
     print("\n" + report, flush=True)

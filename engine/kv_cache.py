@@ -1,7 +1,9 @@
 """The paged KV cache: one preallocated buffer, per-layer views, blocks of `block_size` tokens.
 
-Layout: [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]. A token's
-slot is `block_id * block_size + offset`; `key_cache(layer).view(-1, heads, dim)[slot]` is its key.
+Layout: [num_layers, 2 (key, value), num_blocks, num_kv_heads, block_size, head_dim]. A token's
+slot is `block_id * block_size + offset`; `key_cache(layer)[block_id, :, offset]` is its key.
+Head-major blocks keep each (block, head) run of keys contiguous, so attention gathers whole
+runs and reads every byte once.
 Keeping it one allocation makes it one thing to share (shared memory, CUDA IPC) and register.
 """
 
@@ -38,11 +40,12 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.buffer = torch.zeros(
-            spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers, 2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim,
             dtype=spec.dtype, device=device,
         )
 
     def key_cache(self, layer: int) -> torch.Tensor:
+        """[num_blocks, num_kv_heads, block_size, head_dim] view of one layer's keys."""
         return self.buffer[layer, 0]
 
     def value_cache(self, layer: int) -> torch.Tensor:

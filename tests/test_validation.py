@@ -90,3 +90,20 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         LLM(str(tmp_path))
     assert "LlamaForCausalLM" in str(info.value)
     assert "Qwen3ForCausalLM" in str(info.value)
+
+
+def test_checkpoint_missing_a_weight_fails_naming_it(tiny_llama_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM
+
+    for item in tiny_llama_dir.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight_t"):
+        LLM(str(tmp_path))

@@ -1,10 +1,14 @@
 """Pure-torch paged attention: the CPU path and the reference for the Triton kernels.
 
-Decode tokens (query length 1) come first in the flat batch and are attended in one batched
-call: their blocks are gathered by block table into [B, kv_heads, max_len, dim] and padded
-positions are masked. Every other sequence (a prefill chunk) is attended on its own with SDPA:
-causal when it has no cached context, else with an explicit mask (full over context, causal
-within the chunk). A chunk with no context attends to its fresh keys without touching the cache.
+Keys and values are stored by slot into head-major blocks ([blocks, kv_heads, block_size, dim]).
+
+Decode tokens (query length 1) come first in the flat batch and are attended together, block
+by block, with no padding: every block of every decoding sequence is gathered once (whole
+blocks, by `index_select`, the fast copy), each block is scored against its sequence's query
+heads - the query heads sharing a KV head form one small matrix, so each key is read once - and
+a softmax segmented by sequence (per-sequence max, then sums by `index_add_`) combines them. Every other sequence (a prefill chunk) is attended on its own with
+SDPA: causal when it has no cached context (using its fresh keys, without touching the cache),
+else with an explicit mask (full over the context, causal within the chunk).
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ from engine.batch import FlatBatch
 
 
 @dataclass
+class DecodeBlocks:
+    """Every block of the decoding sequences, flattened; `seq_index` says whose it is."""
+
+    num_seqs: int
+    block_ids: torch.Tensor
+    seq_index: torch.Tensor
+    bias: torch.Tensor
+
+
+@dataclass
 class PrefillSpan:
     query_start: int
     query_end: int
@@ -29,10 +43,10 @@ class PrefillSpan:
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     num_decodes: int
-    decode_block_index: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode: DecodeBlocks | None
     prefills: list[PrefillSpan]
 
 
@@ -55,25 +69,12 @@ class TorchAttentionBackend(AttentionBackend):
             num_decodes += 1
         if any(batch.query_len(i) == 1 for i in range(num_decodes, batch.num_seqs)):
             raise ValueError("decode tokens (query length 1) must come first in the flat batch")
-
-        decode_block_index = decode_mask = None
-        if num_decodes:
-            seq_lens = batch.seq_lens[:num_decodes]
-            max_blocks = -(-max(seq_lens) // block_size)
-            tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                      for t in batch.block_tables[:num_decodes]]
-            decode_block_index = torch.tensor(tables, dtype=torch.long, device=device)
-            key_positions = torch.arange(max_blocks * block_size, device=device)
-            lens = torch.tensor(seq_lens, device=device)
-            decode_mask = key_positions[None, :] < lens[:, None]
-            if self.sliding_window is not None:
-                decode_mask &= key_positions[None, :] > lens[:, None] - 1 - self.sliding_window
-            decode_mask = decode_mask[:, None, None, :]
+        block_counts = [-(-n // block_size) for n in batch.seq_lens]
+        decode = self._decode_blocks(batch, num_decodes, block_counts) if num_decodes else None
 
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
             context_len, seq_len = batch.context_lens[i], batch.seq_lens[i]
-            num_blocks = -(-seq_len // block_size)
             mask = None
             if context_len > 0 or self.sliding_window is not None:
                 query_positions = torch.arange(context_len, seq_len, device=device)
@@ -85,31 +86,57 @@ class TorchAttentionBackend(AttentionBackend):
                     query_end=batch.query_start[i + 1],
                     context_len=context_len,
                     block_index=torch.tensor(
-                        batch.block_tables[i][:num_blocks], dtype=torch.long, device=device
+                        batch.block_tables[i][: block_counts[i]], dtype=torch.long, device=device
                     ),
                     mask=mask,
                 )
             )
         return TorchAttentionMetadata(
-            slot_mapping=batch.slot_mapping,
+            slot_blocks=torch.div(batch.slot_mapping, block_size, rounding_mode="floor"),
+            slot_offsets=batch.slot_mapping % block_size,
             num_decodes=num_decodes,
-            decode_block_index=decode_block_index,
-            decode_mask=decode_mask,
+            decode=decode,
             prefills=prefills,
+        )
+
+    def _decode_blocks(
+        self, batch: FlatBatch, num_decodes: int, block_counts: list[int]
+    ) -> DecodeBlocks:
+        device = batch.input_ids.device
+        block_size = self.kv_cache.spec.block_size
+        block_ids, seq_index, key_positions, query_positions = [], [], [], []
+        for i in range(num_decodes):
+            count = block_counts[i]
+            block_ids.extend(batch.block_tables[i][:count])
+            seq_index.extend([i] * count)
+            key_positions.extend(range(0, count * block_size, block_size))
+            query_positions.extend([batch.seq_lens[i] - 1] * count)
+        offsets = torch.arange(block_size, device=device)
+        keys = torch.tensor(key_positions, device=device)[:, None] + offsets
+        queries = torch.tensor(query_positions, device=device)[:, None]
+        allowed = keys <= queries
+        if self.sliding_window is not None:
+            allowed &= keys > queries - self.sliding_window
+        bias = torch.zeros(allowed.shape, dtype=self.kv_cache.spec.dtype, device=device)
+        bias.masked_fill_(~allowed, float("-inf"))
+        return DecodeBlocks(
+            num_seqs=num_decodes,
+            block_ids=torch.tensor(block_ids, dtype=torch.long, device=device),
+            seq_index=torch.tensor(seq_index, dtype=torch.long, device=device),
+            bias=bias[:, None, None, :],
         )
 
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         key_cache = self.kv_cache.key_cache(layer)
         value_cache = self.kv_cache.value_cache(layer)
-        heads, dim = self.num_kv_heads, self.head_dim
-        key_cache.view(-1, heads, dim).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, heads, dim).index_copy_(0, metadata.slot_mapping, v)
+        key_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k
+        value_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
 
         out = torch.empty_like(q)
-        num_decodes = metadata.num_decodes
-        if num_decodes:
-            out[:num_decodes] = self._decode(
-                q[:num_decodes], key_cache, value_cache, metadata
+        decode = metadata.decode
+        if decode is not None:
+            out[: decode.num_seqs] = self._decode(
+                q[: decode.num_seqs], key_cache, value_cache, decode
             )
         for span in metadata.prefills:
             out[span.query_start:span.query_end] = self._prefill(
@@ -117,38 +144,45 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
-    def _decode(self, q, key_cache, value_cache, metadata) -> torch.Tensor:
-        batch_size = q.shape[0]
-        block_index = metadata.decode_block_index
-        keys = key_cache[block_index].view(batch_size, -1, self.num_kv_heads, self.head_dim)
-        values = value_cache[block_index].view(batch_size, -1, self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=metadata.decode_mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+    def _decode(self, q, key_cache, value_cache, decode: DecodeBlocks) -> torch.Tensor:
+        num_seqs, heads, dim = decode.num_seqs, self.num_kv_heads, self.head_dim
+        keys = key_cache.index_select(0, decode.block_ids)
+        values = value_cache.index_select(0, decode.block_ids)
+        grouped_q = (q * self.scale).view(num_seqs, heads, -1, dim)
+        block_q = grouped_q.index_select(0, decode.seq_index)
+        scores = torch.matmul(block_q, keys.transpose(-1, -2)) + decode.bias
+        block_max = scores.amax(dim=-1)
+        seq_max = torch.full_like(grouped_q[..., 0], float("-inf")).scatter_reduce_(
+            0, decode.seq_index[:, None, None].expand_as(block_max), block_max, "amax"
         )
-        return out.squeeze(2)
+        weights = torch.exp(scores - seq_max.index_select(0, decode.seq_index).unsqueeze(-1))
+        denominator = torch.zeros_like(seq_max).index_add_(0, decode.seq_index, weights.sum(-1))
+        out = torch.zeros_like(grouped_q).index_add_(
+            0, decode.seq_index, torch.matmul(weights, values)
+        )
+        return (out / denominator.unsqueeze(-1)).view(num_seqs, self.num_heads, dim)
 
     def _prefill(self, q, k, v, key_cache, value_cache, span: PrefillSpan) -> torch.Tensor:
         query = q[span.query_start:span.query_end].transpose(0, 1).unsqueeze(0)
         if span.context_len == 0:
-            keys = k[span.query_start:span.query_end]
-            values = v[span.query_start:span.query_end]
+            keys = k[span.query_start:span.query_end].transpose(0, 1)
+            values = v[span.query_start:span.query_end].transpose(0, 1)
         else:
             seq_len = span.context_len + span.query_end - span.query_start
-            keys = key_cache[span.block_index].view(-1, self.num_kv_heads, self.head_dim)[:seq_len]
-            values = value_cache[span.block_index].view(-1, self.num_kv_heads, self.head_dim)
-            values = values[:seq_len]
+            keys = self._gather_sequence(key_cache, span.block_index, seq_len)
+            values = self._gather_sequence(value_cache, span.block_index, seq_len)
         out = F.scaled_dot_product_attention(
             query,
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=span.mask,
             is_causal=span.mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return out.squeeze(0).transpose(0, 1)
+
+    def _gather_sequence(self, cache, block_index, seq_len) -> torch.Tensor:
+        """[kv_heads, seq_len, dim] keys or values of one sequence."""
+        blocks = cache.transpose(0, 1)[:, block_index]
+        return blocks.view(self.num_kv_heads, -1, self.head_dim)[:, :seq_len]

@@ -8,6 +8,7 @@ the head dimension before rope (Qwen3), tied embeddings, sliding window (Mistral
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.layers.linear import FusedLinear, Linear
 from engine.layers.rms_norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
@@ -27,21 +29,6 @@ _FUSED_SHARDS = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-
-
-class FusedLinear(nn.Linear):
-    """A linear layer whose output rows are several HF projections stacked (q|k|v, gate|up)."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)]
-
-    def load_shard(self, shard: int, param_name: str, tensor: torch.Tensor) -> None:
-        target = self.weight if param_name == "weight" else self.bias
-        start, end = self.shard_offsets[shard], self.shard_offsets[shard + 1]
-        if tensor.shape[0] != end - start:
-            raise ValueError(f"shard {shard} has {tensor.shape[0]} rows, expected {end - start}")
-        target.data[start:end].copy_(tensor)
 
 
 class Attention(nn.Module):
@@ -57,10 +44,10 @@ class Attention(nn.Module):
             config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
         )
         o_bias = config.attention_bias and config.hf_config.model_type != "qwen2"
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size
 
     def forward(
         self,
@@ -71,16 +58,15 @@ class Attention(nn.Module):
         metadata: object,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
         if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
-        out = backend.forward(self.layer_index, q, k, v.contiguous(), metadata)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = RotaryEmbedding.apply(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = backend.forward(self.layer_index, q, k, v, metadata)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -91,7 +77,7 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -119,14 +105,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions)
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.weight
-        return self.lm_head.weight
+        # Tied or not, the head keeps its own transposed copy (see layers/linear.py).
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -142,40 +122,43 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, backend, metadata)
         hidden = self.norm(hidden.index_select(0, logits_indices))
-        return F.linear(hidden, self.lm_head_weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors into the (partly fused) parameters; every one must arrive."""
-        params = dict(self.named_parameters())
+        """Copies HF-named tensors into the (fused, transposed) parameters; all must arrive."""
+        expected = {name for name, _ in self.named_parameters()}
         loaded: set[str] = set()
-        fused_loaded: dict[str, set[int]] = {}
+        shards_loaded: dict[str, set[int]] = defaultdict(set)
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
+            if "rotary_emb" in hf_name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            module_path, _, param_name = name.rpartition(".")
-            fused = next((f for f in _FUSED_SHARDS if module_path.endswith(f)), None)
-            if fused is not None:
-                fused_name, shard = _FUSED_SHARDS[fused]
-                module_path = module_path[: -len(fused)] + fused_name
-                self.get_submodule(module_path).load_shard(shard, param_name, tensor)
-                fused_loaded.setdefault(f"{module_path}.{param_name}", set()).add(shard)
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
-            if params[name].shape != tensor.shape:
-                raise ValueError(
-                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(params[name].shape)}"
-                )
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        for name, shards in fused_loaded.items():
-            fused_module = self.get_submodule(name.rpartition(".")[0])
-            if len(shards) == len(fused_module.shard_offsets) - 1:
-                loaded.add(name)
-        missing = sorted(set(params) - loaded)
+            module_path, _, param_name = hf_name.removeprefix("model.").rpartition(".")
+            shard = None
+            for suffix, (fused_name, index) in _FUSED_SHARDS.items():
+                if module_path.endswith(suffix):
+                    module_path, shard = module_path[: -len(suffix)] + fused_name, index
+            try:
+                module = self.get_submodule(module_path)
+            except AttributeError:
+                raise ValueError(f"unexpected weight {hf_name!r}") from None
+            if shard is not None:
+                module.load_shard(shard, param_name, tensor)
+            elif isinstance(module, Linear):
+                module.load(param_name, tensor)
+            else:
+                param = getattr(module, param_name, None)
+                if not isinstance(param, nn.Parameter) or param.shape != tensor.shape:
+                    raise ValueError(f"unexpected weight {hf_name!r} {tuple(tensor.shape)}")
+                param.data.copy_(tensor)
+            if isinstance(module, Linear) and param_name == "weight":
+                param_name = "weight_t"
+            key = f"{module_path}.{param_name}"
+            shards_loaded[key].add(shard or 0)
+            if shard is None or len(shards_loaded[key]) == module.num_shards:
+                loaded.add(key)
+        if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
+            self.lm_head.load("weight", self.embed_tokens.weight.data)
+            loaded.add("lm_head.weight_t")
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
