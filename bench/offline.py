@@ -16,8 +16,9 @@ prompt lengths uniform in [32, 512] and output lengths uniform in [16, 256], dra
 ``--seed``. Every request produces exactly its ``max_tokens`` (EOS is ignored), so "useful
 output tokens" is the sum of the requests' ``max_tokens`` for every system.
 
-Also measured: pdserve's batch-1 decode step time against the memory-bandwidth floor (unique
-parameter bytes / measured read bandwidth, see ``bench/bandwidth.py``), a torch.profiler
+Also measured: pdserve's batch-1 decode step time against the memory-bandwidth floor (weight
+bytes a decode step streams / copy bandwidth measured in the same run, counted as bytes moved /
+2; see ``bench/bandwidth.py``), the model's matmuls alone at batch 1, a torch.profiler
 breakdown (engine phases and top ops by self CPU time) of one prefill step, batched decode
 steps and batch-1 decode steps, and a parity check: pdserve's greedy tokens vs transformers'
 batch-1 tokens on the requests that ran in (3).

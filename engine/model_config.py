@@ -28,7 +28,8 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
@@ -51,10 +52,7 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         model_type = hf.model_type
-        if model_type == "qwen2":
-            attention_bias = True
-        else:
-            attention_bias = bool(getattr(hf, "attention_bias", False))
+        attention_bias = bool(getattr(hf, "attention_bias", False))
         sliding_window = getattr(hf, "sliding_window", None)
         if model_type in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
             sliding_window = None
@@ -75,7 +73,8 @@ class ModelConfig:
             rms_norm_eps=getattr(hf, "rms_norm_eps", 1e-6),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,

@@ -41,10 +41,9 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias
+            config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias
         )
-        o_bias = config.attention_bias and config.hf_config.model_type != "qwen2"
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.qk_size = q_size + kv_size
