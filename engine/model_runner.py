@@ -9,6 +9,7 @@ import torch
 from engine.attention import attention_backend_class
 from engine.batch import build_flat_batch
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.cpu_allocator import keep_freed_memory_for_reuse
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -24,6 +25,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device, model_config.config_dtype)
+        if self.device.type == "cpu":
+            keep_freed_memory_for_reuse()
         self.model = load_model(model_config, max_model_len, self.dtype, self.device)
         spec = KVCacheSpec(
             num_layers=model_config.num_layers,

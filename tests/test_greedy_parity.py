@@ -90,3 +90,10 @@ def test_prompts_as_text_match_their_token_ids(family):
     assert by_text.prompt_token_ids == by_ids[0].prompt_token_ids
     assert by_text.token_ids == by_ids[0].token_ids
     assert by_text.text == llm.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_equals_transformers_on_cuda_in_fp32(family):
+    model_dir, prompts, expected = family
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_batched_tokens=64)
+    assert generate_and_check_clean(llm, prompts) == expected

@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions)
-        # Tied or not, the head keeps its own transposed copy (see layers/linear.py).
+        # Tied or not, the head keeps its own weight, packed for its kernel (layers/linear.py).
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
@@ -122,6 +122,16 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, cos, sin, backend, metadata)
         hidden = self.norm(hidden.index_select(0, logits_indices))
         return self.lm_head(hidden)
+
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step streams: every matrix and norm, not the embedding
+        table (a step gathers only a few of its rows)."""
+        linear = sum(m.weight_bytes for m in self.modules() if isinstance(m, Linear))
+        norms = sum(
+            p.numel() * p.element_size() for m in self.modules() if isinstance(m, RMSNorm)
+            for p in m.parameters()
+        )
+        return linear + norms
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors into the (fused, transposed) parameters; all must arrive."""
@@ -149,15 +159,16 @@ class LlamaForCausalLM(nn.Module):
                 if not isinstance(param, nn.Parameter) or param.shape != tensor.shape:
                     raise ValueError(f"unexpected weight {hf_name!r} {tuple(tensor.shape)}")
                 param.data.copy_(tensor)
-            if isinstance(module, Linear) and param_name == "weight":
-                param_name = "weight_t"
             key = f"{module_path}.{param_name}"
             shards_loaded[key].add(shard or 0)
             if shard is None or len(shards_loaded[key]) == module.num_shards:
                 loaded.add(key)
         if self.config.tie_word_embeddings and "embed_tokens.weight" in loaded:
             self.lm_head.load("weight", self.embed_tokens.weight.data)
-            loaded.add("lm_head.weight_t")
+            loaded.add("lm_head.weight")
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()

@@ -1,0 +1,48 @@
+"""The machine a benchmark runs on, as the report records it: CPU, cores, library versions,
+load average, and the command line that started the run."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+
+import torch
+
+
+def command_line() -> str:
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    program = f"python -m {main_spec.name}" if main_spec else f"python {sys.argv[0]}"
+    return " ".join([program, *sys.argv[1:]])
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, str]:
+    import transformers
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "cores": f"{cores} usable ({os.cpu_count()} online)",
+        "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "load average at start": load_average(),
+    }
+
+
+def load_average() -> str:
+    """1-minute load average: other processes on this small machine skew every number."""
+    return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"

@@ -1,0 +1,42 @@
+"""Keeps large CPU activations out of fresh mmap()s (glibc only).
+
+glibc serves allocations above 128 KiB with mmap() and returns them on free(), so every step's
+activations page-fault in anew: a [2048, 576] fp32 RMSNorm took 4.0 ms that way against 0.23 ms
+with reused memory, and whole prefill steps run 15% faster with it (measured on this project's
+2-core CPU). Raising the mmap threshold to glibc's maximum (32 MiB) and never trimming the heap
+keeps freed memory for the next step. Process-wide and idempotent; a no-op off glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import platform
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20
+_NEVER_TRIM = 2**31 - 1
+_TOP_PAD = 64 << 20
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Tunes glibc malloc for a long-running engine; returns whether it applied."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    applied = all(
+        libc.mallopt(option, value) == 1
+        for option, value in (
+            (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX),
+            (_M_TRIM_THRESHOLD, _NEVER_TRIM),
+            (_M_TOP_PAD, _TOP_PAD),
+        )
+    )
+    if not applied:
+        logger.warning("glibc refused the malloc tuning; large activations will page-fault")
+    return applied
