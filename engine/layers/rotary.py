@@ -54,4 +54,4 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + rotate_half(x) * sin
+        return (x * cos).addcmul_(rotate_half(x), sin)
