@@ -1,0 +1,157 @@
+"""Wire messages between the router and the nodes: msgpack maps, never pickle.
+
+Every message is a small dataclass with a `type` tag. `encode(message) -> bytes` packs its
+fields; `decode(data) -> message` unpacks with size limits, looks the tag up, and checks every
+field's type before constructing the dataclass, raising `ProtocolError` on anything malformed
+or unknown (receivers log and drop such messages; they never crash on them).
+
+Flows (colocated mode):
+  router -> node   Generate, Abort
+  node -> router   TokenBatch (after every engine step that produced tokens), RequestFailed,
+                   NodeStats (every heartbeat interval; also tells the router the node is alive)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class ProtocolError(ValueError):
+    """A message that is not valid msgpack, has an unknown type, or has ill-typed fields."""
+
+
+@dataclass
+class Generate:
+    """Start a request. `sampling` holds SamplingParams keyword arguments."""
+
+    type: ClassVar[str] = "generate"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+
+
+@dataclass
+class Abort:
+    type: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass
+class TokenUpdate:
+    """New tokens of one request. `logprobs` holds one [token_id, logprob, [[id, lp], ...]]
+    entry per new token when the request asked for them; `finish_reason` ends the request."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    logprobs: list[list[Any]] | None = None
+
+
+@dataclass
+class TokenBatch:
+    type: ClassVar[str] = "token_batch"
+    node_id: str
+    updates: list[TokenUpdate] = field(default_factory=list)
+
+
+@dataclass
+class RequestFailed:
+    """The node refused or lost a request; `status` is the HTTP status the router answers."""
+
+    type: ClassVar[str] = "request_failed"
+    request_id: str
+    message: str
+    status: int = 400
+
+
+@dataclass
+class NodeStats:
+    type: ClassVar[str] = "node_stats"
+    node_id: str
+    role: str
+    max_model_len: int
+    vocab_size: int
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.type: cls for cls in (Generate, Abort, TokenBatch, RequestFailed, NodeStats)
+}
+
+
+def encode(message: Any) -> bytes:
+    fields = dataclasses.asdict(message)
+    fields["type"] = message.type
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data):,} bytes exceeds {MAX_MESSAGE_BYTES:,}")
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as error:  # noqa: BLE001 (msgpack raises several unrelated types)
+        raise ProtocolError(f"not a msgpack message: {type(error).__name__}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("a message must be a map")
+    cls = MESSAGE_TYPES.get(fields.pop("type", None))
+    if cls is None:
+        raise ProtocolError("unknown message type")
+    if cls is TokenBatch and isinstance(fields.get("updates"), list):
+        fields["updates"] = [_build(TokenUpdate, u) for u in fields["updates"]]
+    return _build(cls, fields)
+
+
+_SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def _build(cls: type, fields: Any) -> Any:
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{cls.__name__} must be a map")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(fields) - set(known)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__} has unknown fields {sorted(unknown)}")
+    for name, spec in known.items():
+        if name not in fields:
+            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__} lacks field {name!r}")
+            continue
+        if not _matches(fields[name], spec.type):
+            raise ProtocolError(f"{cls.__name__}.{name} has the wrong type")
+    return cls(**fields)
+
+
+def _matches(value: Any, annotation: str) -> bool:
+    """Checks a value against this module's (string) annotations."""
+    if annotation.endswith(" | None"):
+        return value is None or _matches(value, annotation[: -len(" | None")])
+    if annotation in _SCALARS:
+        expected = _SCALARS[annotation]
+        if expected is not bool and isinstance(value, bool):
+            return False
+        if expected is float:
+            return isinstance(value, (int, float))
+        return isinstance(value, expected)
+    if annotation == "list[int]":
+        return isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        )
+    if annotation.startswith("list["):
+        return isinstance(value, list)
+    if annotation.startswith("dict["):
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return False
