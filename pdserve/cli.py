@@ -3,8 +3,7 @@
   pdserve download            fetch and convert the default model (idempotent)
   pdserve generate PROMPT...  one-shot greedy generation, printed as it streams
   pdserve chat                interactive chat with the model's chat template
-  pdserve serve               until the HTTP router lands: chat on a terminal, otherwise
-                              answer one question and exit
+  pdserve serve               the OpenAI-compatible HTTP server (router + colocated node)
 
 Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 """
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -97,12 +97,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if sys.stdin.isatty():
-        return cmd_chat(args)
-    llm = _make_llm(args)
-    print(f"> {args.question}")
-    _chat_turn(llm, [{"role": "user", "content": args.question}], _params(args))
-    return 0
+    from pdserve.launcher import serve_colocated
+
+    return serve_colocated(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,9 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat")
     _engine_args(chat)
     chat.set_defaults(run=cmd_chat)
-    serve = sub.add_parser("serve", help="run the main job on the model")
-    _engine_args(serve)
-    serve.add_argument("--question", default="What is the capital of France?")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--colocated", action="store_true", help="prefill and decode in one node")
+    serve.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     serve.set_defaults(run=cmd_serve)
     return parser
 

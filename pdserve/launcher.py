@@ -1,0 +1,122 @@
+"""Starts a serving deployment as processes: one node per role and device, plus the router.
+
+Colocated mode: one `decode_node` process (prefill and decode in one engine) and one `router`
+process, wired over ZeroMQ on free loopback ports. The launcher waits until the router's
+/health answers 200, prints the URL, forwards SIGINT/SIGTERM to its children, and stops them
+all when any one exits, so no orphan is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Deployment:
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str]) -> None:
+        self.processes.append(subprocess.Popen(argv, env={**os.environ, "PDSERVE_ROLE": name}))
+
+    def first_exited(self) -> subprocess.Popen | None:
+        return next((p for p in self.processes if p.poll() is not None), None)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def _wait_ready(url: str, deployment: Deployment) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if deployment.first_exited() is not None:
+            raise RuntimeError("a pdserve process exited during start-up")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"pdserve did not become ready within {READY_TIMEOUT_S:.0f} s")
+
+
+def serve_colocated(args: argparse.Namespace) -> int:
+    """Runs until interrupted; returns the exit status."""
+    model = served_name = args.model
+    if model is None:
+        from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+    node_address = f"tcp://127.0.0.1:{free_port()}"
+    router_address = f"tcp://127.0.0.1:{free_port()}"
+    python = sys.executable
+    deployment = Deployment()
+    stopping = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deployment.start("node", [
+            python, "-m", "decode_node", "--model", model, "--node-id", "colocated-0",
+            "--listen", node_address, "--router", router_address, *_engine_flags(args),
+        ])
+        router_argv = [
+            python, "-m", "router", "--model", model, "--served-model-name", served_name,
+            "--node", node_address,
+            "--listen", router_address, "--host", args.host, "--port", str(args.port),
+        ]
+        if args.api_key:
+            router_argv += ["--api-key", args.api_key]
+        deployment.start("router", router_argv)
+        url = f"http://{args.host}:{args.port}"
+        _wait_ready(url, deployment)
+        print(f"pdserve is serving {model} at {url}/v1", flush=True)
+        while not stopping:
+            exited = deployment.first_exited()
+            if exited is not None:
+                print(f"pdserve: a process exited with status {exited.returncode}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        deployment.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,94 @@
+"""`python -m router --model PATH --node tcp://... --listen tcp://... [--port 8000]`.
+
+Runs the app on uvicorn with uvloop and prints one line, "pdserve router listening on
+http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
+OS picked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import uvicorn
+
+from router.app import create_app
+from router.config import RouterConfig
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="model folder (for the tokenizer)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--node",
+        action="append",
+        required=True,
+        dest="nodes",
+        help="a node's PULL address, [ID=]tcp://HOST:PORT (repeatable)",
+    )
+    parser.add_argument("--listen", required=True, help="the router's PULL bind address")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None)
+    parser.add_argument("--max-n", type=int, default=8)
+    parser.add_argument("--max-waiting-requests", type=int, default=1024)
+    parser.add_argument("--node-timeout", type=float, default=30.0)
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return RouterConfig(
+        model_path=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        node_addresses=args.nodes,
+        listen_address=args.listen,
+        api_key=args.api_key,
+        max_n=args.max_n,
+        max_waiting_requests=args.max_waiting_requests,
+        node_timeout_s=args.node_timeout,
+    ), args.log_level
+
+
+async def serve(config: RouterConfig, log_level: str = "warning") -> None:
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            loop="uvloop",
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # startup failed: surface its exception
+            raise SystemExit(1)
+        await asyncio.sleep(0.02)
+    port = config.port
+    for srv in server.servers:
+        for sock in srv.sockets:
+            port = sock.getsockname()[1]
+            break
+    print(f"pdserve router listening on http://{config.host}:{port}", flush=True)
+    await task
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, log_level = parse_args(argv)
+    import uvloop
+
+    uvloop.run(serve(config, log_level))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

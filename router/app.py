@@ -1,0 +1,161 @@
+"""The router's FastAPI app: `create_app(config)` builds everything (tokenizer, node client,
+metrics) per app; nothing is module-global.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Request flow: read the body (413/400) -> validate (400) -> model (404) ->
+parameter checks (400) -> a live node (503) -> prompt ids vs. vocabulary and context (400) ->
+waiting-request limit (429) -> submit n sub-requests -> JSON or SSE answer. A client that
+goes away gets every sub-request aborted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from engine.tokenizer import load_tokenizer
+from router.auth import APIKeyMiddleware
+from router.body import read_json_object
+from router.config import RouterConfig
+from router.errors import APIError, error_body, install_error_handlers, validation_error
+from router.generation import ClientDisconnected, Generation
+from router.logprobs import LogprobFormatter
+from router.metrics import RouterMetrics
+from router.node_client import NodeClient, NodeState
+from router.responses import Responder
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.sse import EventStreamResponse
+from router.validation import Plan, check_model, plan_chat, plan_completion
+
+CLIENT_CLOSED_REQUEST = 499
+
+
+class RouterState:
+    """Everything one app owns; reachable as `app.state.router` (tests inject NodeStats
+    through `app.state.router.client.record_stats`)."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
+        self.config = config
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else load_tokenizer(Path(config.model_path))
+        )
+        self.metrics = RouterMetrics()
+        self.client = NodeClient(
+            config.node_addresses,
+            config.listen_address,
+            config.node_timeout_s,
+            on_stats=self._on_stats,
+        )
+        self.formatter = LogprobFormatter(self.tokenizer)
+        self.created = int(time.time())
+
+    def _on_stats(self, node: NodeState) -> None:
+        self.metrics.observe_node(node.node_id or node.address, node.stats)
+
+    def limits(self) -> tuple[int, int]:
+        node = self.client.live_node()
+        if node is None:
+            raise APIError(503, "No inference node is available; try again later.")
+        return node.stats.max_model_len, node.stats.vocab_size
+
+
+def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(list(error.errors(include_input=False))) from None
+
+
+def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
+    state = RouterState(config, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.client.start()
+        try:
+            yield
+        finally:
+            await state.client.stop()
+
+    app = FastAPI(
+        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.router = state
+    install_error_handlers(app, on_error=state.metrics.error)
+    app.add_middleware(APIKeyMiddleware, api_key=config.api_key, on_error=state.metrics.error)
+
+    async def run(request: Request, chat: bool, req: Any, plan: Plan) -> Response:
+        if state.client.num_waiting + plan.n > config.max_waiting_requests:
+            raise APIError(429, "Too many requests are waiting; try again later.")
+        prefix = "chatcmpl" if chat else "cmpl"
+        generation = Generation(
+            f"{prefix}-{uuid.uuid4().hex}", plan, state.client, state.tokenizer, state.metrics
+        )
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
+        generation.start()
+        generation.poll_disconnect = request.is_disconnected
+        events = generation.events()
+        try:
+            if not req.stream:
+                return JSONResponse(await responder.collect(events))
+            first = await anext(events)
+        except ClientDisconnected:
+            state.metrics.error("client_disconnected")
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            generation.poll_disconnect = None
+            if not req.stream:
+                await events.aclose()
+        return EventStreamResponse(responder.stream(events, first))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = _parse(CompletionRequest, await read_json_object(request, config.max_body_bytes))
+        check_model(req.model, config.model_name)
+        plan = plan_completion(req, config, state.tokenizer, state.limits)
+        return await run(request, False, req, plan)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        data = await read_json_object(request, config.max_body_bytes)
+        req = _parse(ChatCompletionRequest, data)
+        check_model(req.model, config.model_name)
+        plan = plan_chat(req, config, state.tokenizer, state.limits)
+        return await run(request, True, req, plan)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        node = state.client.live_node()
+        card: dict[str, Any] = {
+            "id": config.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "pdserve",
+            "root": str(config.model_path),
+            "parent": None,
+        }
+        if node is not None:
+            card["max_model_len"] = node.stats.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.client.any_alive():
+            return JSONResponse({"status": "ok"})
+        body = error_body("No inference node is alive.", "service_unavailable_error")
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return app

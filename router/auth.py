@@ -1,0 +1,45 @@
+"""API-key check as a pure ASGI middleware (no BaseHTTPMiddleware, which would get in the way
+of streaming and disconnect detection). Only `/v1/...` needs the key; /health and /metrics
+stay open. Keys are compared in constant time."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.errors import APIError
+
+PROTECTED_PREFIX = "/v1"
+
+
+def key_matches(authorization: str, api_key: str) -> bool:
+    scheme, _, token = authorization.strip().partition(" ")
+    ok = hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return scheme.lower() == "bearer" and ok
+
+
+class APIKeyMiddleware:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, on_error: Callable[[str], None] | None = None
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            self.api_key
+            and scope["type"] == "http"
+            and scope.get("path", "").startswith(PROTECTED_PREFIX)
+        ):
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not key_matches(authorization, self.api_key):
+                error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+                if self.on_error is not None:
+                    self.on_error(error.type)
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,138 @@
+"""Builds the HTTP answer of a running `Generation`: one JSON body, or an SSE stream of
+chunks ending in `data: [DONE]`, for the completions and the chat completions API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from router import schemas
+from router.errors import APIError
+from router.generation import ChoiceEvent, Generation
+from router.logprobs import LogprobFormatter, merge_completion
+from router.sse import DONE, sse
+
+
+class Responder:
+    def __init__(
+        self,
+        chat: bool,
+        generation: Generation,
+        model: str,
+        formatter: LogprobFormatter,
+        include_usage: bool = False,
+    ) -> None:
+        self.chat = chat
+        self.generation = generation
+        self.model = model
+        self.formatter = formatter
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.started_at = time.monotonic()
+        self.id = generation.request_id
+        n = generation.plan.n
+        self._text = [""] * n
+        self._logprobs: list[Any] = [None] * n
+        self._finish: list[str | None] = [None] * n
+
+    def _usage(self) -> dict[str, int]:
+        return schemas.usage(self.generation.prompt_tokens, self.generation.completion_tokens)
+
+    def _done(self) -> None:
+        metrics = self.generation.metrics
+        metrics.prompt_tokens.inc(self.generation.prompt_tokens)
+        metrics.e2e_request_latency.observe(time.monotonic() - self.started_at)
+
+    def _format_logprobs(self, event: ChoiceEvent) -> dict[str, Any] | None:
+        if event.logprobs is None or self.generation.plan.logprobs is None:
+            return None
+        if self.chat:
+            return self.formatter.chat(event.logprobs)
+        return self.formatter.completion(event.logprobs, len(self._text[event.index]))
+
+    def _absorb(self, event: ChoiceEvent) -> dict[str, Any] | None:
+        """Records the event; returns its formatted logprobs."""
+        logprobs = self._format_logprobs(event)
+        i = event.index
+        if logprobs is not None:
+            if self.chat:
+                prev = self._logprobs[i] or {"content": []}
+                self._logprobs[i] = {"content": prev["content"] + logprobs["content"]}
+            else:
+                self._logprobs[i] = merge_completion(self._logprobs[i], logprobs)
+        self._text[i] += event.text
+        if event.finish_reason is not None:
+            self._finish[i] = event.finish_reason
+        return logprobs
+
+    # -- one JSON body -----------------------------------------------------------------------
+
+    async def collect(self, events: AsyncIterator[list[ChoiceEvent]]) -> dict[str, Any]:
+        async for batch in events:
+            for event in batch:
+                self._absorb(event)
+        self._done()
+        n = self.generation.plan.n
+        if self.chat:
+            choices = [
+                schemas.chat_choice(i, self._text[i], self._finish[i], self._logprobs[i])
+                for i in range(n)
+            ]
+            return schemas.chat_response(self.id, self.created, self.model, choices, self._usage())
+        choices = [
+            schemas.completion_choice(i, self._text[i], self._finish[i], self._logprobs[i])
+            for i in range(n)
+        ]
+        return schemas.completion_response(
+            self.id, self.created, self.model, choices, self._usage()
+        )
+
+    # -- SSE ---------------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return sse(
+            schemas.chunk(
+                self.id,
+                obj,
+                self.created,
+                self.model,
+                choices,
+                use,
+                with_usage_field=self.include_usage,
+            )
+        )
+
+    def _event_chunk(self, event: ChoiceEvent) -> dict[str, Any]:
+        logprobs = self._absorb(event)
+        if not self.chat:
+            return schemas.completion_choice(event.index, event.text, event.finish_reason, logprobs)
+        delta = {"content": event.text} if event.text or event.finish_reason is None else {}
+        return schemas.chat_chunk_choice(event.index, delta, event.finish_reason, logprobs)
+
+    async def stream(
+        self, events: AsyncIterator[list[ChoiceEvent]], first: list[ChoiceEvent]
+    ) -> AsyncIterator[bytes]:
+        """The SSE body; `first` is the batch already taken from `events` (so that errors
+        before the first token are answered with a proper status)."""
+        try:
+            if self.chat:
+                for i in range(self.generation.plan.n):
+                    delta = {"role": "assistant", "content": ""}
+                    yield self._chunk([schemas.chat_chunk_choice(i, delta, None)])
+            batch: list[ChoiceEvent] | None = first
+            while batch is not None:
+                for event in batch:
+                    yield self._chunk([self._event_chunk(event)])
+                batch = await anext(events, None)
+            self._done()
+            if self.include_usage:
+                yield self._chunk([], self._usage())
+        except APIError as error:
+            self.generation.metrics.error(error.type)
+            yield sse(error.body())
+        finally:
+            self.generation.close()
+            await events.aclose()
+        yield DONE

@@ -1,0 +1,152 @@
+"""OpenAI-shaped request models and response builders (completions and chat completions).
+
+Requests are pydantic models in strict mode (no "5" -> 5 coercion), so a wrong type is a
+validation error that `errors.validation_error` turns into a 400. Range checks that need the
+router's settings or the node's limits live in `validation.py`. Responses are plain dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _CommonParams(_Request):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_CommonParams):
+    prompt: str | list[int]
+    logprobs: int | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_CommonParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+Usage = dict[str, int]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], use: Usage
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], use: Usage
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def chat_choice(
+    index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_chunk_choice(
+    index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk(
+    request_id: str,
+    obj: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    use: Usage | None = None,
+    with_usage_field: bool = False,
+) -> dict[str, Any]:
+    """A streamed chunk; `with_usage_field` adds `"usage": null` (or the usage) as OpenAI does
+    when `stream_options.include_usage` is set."""
+    out: dict[str, Any] = {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if with_usage_field or use is not None:
+        out["usage"] = use
+    return out

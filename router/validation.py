@@ -1,0 +1,193 @@
+"""Turns a parsed request into what the router submits: prompt ids, per-choice sampling
+arguments for the node, stop strings. Every check here raises a 400 `APIError` naming the
+parameter; messages state the rule and the limit, not the client's input (context-length
+errors state the token counts, as OpenAI's do).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import MAX_LOGPROBS
+from engine.tokenizer import apply_chat_template
+from router.config import RouterConfig
+from router.errors import APIError, invalid
+from router.schemas import ChatCompletionRequest, CompletionRequest
+
+SEED_LIMIT = 1 << 63
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+Limits = Callable[[], "tuple[int, int]"]
+
+
+@dataclass
+class Plan:
+    """A validated request, ready to submit as `n` sub-requests."""
+
+    prompt_ids: list[int]
+    samplings: list[dict[str, Any]]
+    stop: list[str]
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.samplings)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"The model '{_clip(requested)}' does not exist.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _clip(text: str, limit: int = 64) -> str:
+    """Model names are echoed (as OpenAI does) but kept short and printable."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_common(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, config: RouterConfig
+) -> list[str]:
+    """Checks the parameters shared by both APIs; returns the stop strings."""
+    if max_tokens is not None and max_tokens < 1:
+        chat_limit = getattr(req, "max_completion_tokens", None)
+        name = "max_completion_tokens" if chat_limit is not None else "max_tokens"
+        raise invalid(f"'{name}' must be at least 1.", name)
+    if req.temperature is not None and not (
+        math.isfinite(req.temperature) and req.temperature >= 0
+    ):
+        raise invalid("'temperature' must be a number >= 0.", "temperature")
+    if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+        raise invalid("'top_p' must be in (0, 1].", "top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid("'top_k' must be -1 (disabled), 0 (disabled) or at least 1.", "top_k")
+    if not 1 <= req.n <= config.max_n:
+        raise invalid(f"'n' must be between 1 and {config.max_n}.", "n")
+    if req.min_tokens < 0:
+        raise invalid("'min_tokens' must be at least 0.", "min_tokens")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise invalid("'min_tokens' must not exceed 'max_tokens'.", "min_tokens")
+    if req.seed is not None and not -SEED_LIMIT <= req.seed < SEED_LIMIT - config.max_n:
+        raise invalid("'seed' must be a signed 64-bit integer.", "seed")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > config.max_stop:
+        raise invalid(f"'stop' accepts at most {config.max_stop} strings.", "stop")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    return [s for s in stop if s]
+
+
+def check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(f"'{param}' must be between 0 and {MAX_LOGPROBS}.", param)
+
+
+def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
+    if isinstance(req.prompt, str):
+        return list(tokenizer.encode(req.prompt))
+    return list(req.prompt)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        return list(apply_chat_template(tokenizer, messages))
+    except ValueError as error:
+        raise invalid(str(error), "messages") from None
+    except Exception:  # noqa: BLE001 (template errors are the request's fault)
+        raise invalid("the messages do not fit the model's chat template.", "messages") from None
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids:
+        raise invalid(f"'{param}' must not be empty.", param)
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise invalid(f"token ids in '{param}' must be in [0, {vocab_size}).", param)
+
+
+def resolve_max_tokens(
+    requested: int | None, default: int | None, prompt_len: int, max_model_len: int
+) -> int:
+    """The max_tokens to use; 400 if prompt plus completion exceed the context."""
+    max_tokens = requested if requested is not None else default
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+    if prompt_len + max(max_tokens, 1) > max_model_len or max_tokens < 1:
+        raise invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the prompt, "
+            f"{max(max_tokens, 0)} for the completion). Please reduce the length of the prompt "
+            "or the completion.",
+            "max_tokens" if requested is not None else "messages",
+        )
+    return max_tokens
+
+
+def samplings(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+) -> list[dict[str, Any]]:
+    """One SamplingParams kwargs dict per choice (seed + i when a seed is given)."""
+    base: dict[str, Any] = {
+        "temperature": 1.0 if req.temperature is None else float(req.temperature),
+        "top_p": 1.0 if req.top_p is None else float(req.top_p),
+        "top_k": -1 if req.top_k in (None, 0) else req.top_k,
+        "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    out = []
+    for i in range(req.n):
+        params = dict(base)
+        params["seed"] = None if req.seed is None else req.seed + i
+        out.append(params)
+    return out
+
+
+def plan_completion(
+    req: CompletionRequest, config: RouterConfig, tokenizer: Any, limits: Limits
+) -> Plan:
+    """Checks the parameters, then (only then) asks `limits()` for the node's context length
+    and vocabulary size (it raises the 503 when no node is alive) to check the prompt."""
+    stop = check_common(req, req.max_tokens, config)
+    check_logprobs(req.logprobs, "logprobs")
+    if not req.prompt:
+        raise invalid("'prompt' must not be empty.", "prompt")
+    max_model_len, vocab_size = limits()
+    ids = completion_prompt(req, tokenizer)
+    check_prompt_ids(ids, vocab_size, "prompt")
+    max_tokens = resolve_max_tokens(
+        req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), max_model_len
+    )
+    return Plan(
+        ids, samplings(req, max_tokens, req.logprobs), stop, req.skip_special_tokens, req.logprobs
+    )
+
+
+def plan_chat(
+    req: ChatCompletionRequest, config: RouterConfig, tokenizer: Any, limits: Limits
+) -> Plan:
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
+    )
+    stop = check_common(req, requested, config)
+    check_logprobs(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_model_len, vocab_size = limits()
+    ids = chat_prompt(req, tokenizer)
+    check_prompt_ids(ids, vocab_size, "messages")
+    max_tokens = resolve_max_tokens(requested, None, len(ids), max_model_len)
+    return Plan(ids, samplings(req, max_tokens, logprobs), stop, req.skip_special_tokens, logprobs)
