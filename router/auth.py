@@ -1,6 +1,6 @@
 """API-key check as a pure ASGI middleware (no BaseHTTPMiddleware, which would get in the way
-of streaming and disconnect detection). Only `/v1/...` needs the key; /health and /metrics
-stay open. Keys are compared in constant time."""
+of streaming and disconnect detection). Every route but /health needs the key (load
+balancers probe /health without credentials). Keys are compared in constant time."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import APIError
 
-PROTECTED_PREFIX = "/v1"
+OPEN_PATHS = frozenset({"/health"})
 
 
 def key_matches(authorization: str, api_key: str) -> bool:
@@ -32,7 +32,7 @@ class APIKeyMiddleware:
         if (
             self.api_key
             and scope["type"] == "http"
-            and scope.get("path", "").startswith(PROTECTED_PREFIX)
+            and scope.get("path", "") not in OPEN_PATHS
         ):
             headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization", b"").decode("latin-1")

@@ -241,10 +241,12 @@ def test_bad_or_missing_api_key_is_401(keyed_app, header):
     error = assert_error(client.post("/v1/completions", json=body, headers=headers), 401)
     assert error["code"] == "invalid_api_key"
     assert_error(client.get("/v1/models", headers=headers), 401)
+    assert_error(client.get("/metrics", headers=headers), 401)
 
 
 def test_right_api_key_passes_and_health_needs_none(keyed_app):
     client = TestClient(keyed_app)
     r = client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 200
+    assert client.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     assert client.get("/health").status_code == 503  # no node, but no 401 either
