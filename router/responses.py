@@ -73,19 +73,14 @@ class Responder:
             for event in batch:
                 self._absorb(event)
         self._done()
-        n = self.generation.plan.n
-        if self.chat:
-            choices = [
-                schemas.chat_choice(i, self._text[i], self._finish[i], self._logprobs[i])
-                for i in range(n)
-            ]
-            return schemas.chat_response(self.id, self.created, self.model, choices, self._usage())
+        make_choice = schemas.chat_choice if self.chat else schemas.completion_choice
         choices = [
-            schemas.completion_choice(i, self._text[i], self._finish[i], self._logprobs[i])
-            for i in range(n)
+            make_choice(i, self._text[i], self._finish[i], self._logprobs[i])
+            for i in range(self.generation.plan.n)
         ]
-        return schemas.completion_response(
-            self.id, self.created, self.model, choices, self._usage()
+        object_name = "chat.completion" if self.chat else "text_completion"
+        return schemas.response_body(
+            object_name, self.id, self.created, self.model, choices, self._usage()
         )
 
     # -- SSE ---------------------------------------------------------------------------------

@@ -80,12 +80,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     }
 
 
-def completion_response(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], use: Usage
+def response_body(
+    object_name: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    use: Usage,
 ) -> dict[str, Any]:
+    """A whole (non-streamed) response: `text_completion` or `chat.completion`."""
     return {
         "id": request_id,
-        "object": "text_completion",
+        "object": object_name,
         "created": created,
         "model": model,
         "choices": choices,
@@ -97,19 +103,6 @@ def completion_choice(
     index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
 ) -> dict[str, Any]:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_response(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], use: Usage
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
 
 
 def chat_choice(
