@@ -1,4 +1,4 @@
-"""Wire messages between the router and the nodes: msgpack maps, never pickle.
+"""Wire messages between the router and the nodes: msgpack maps, nothing executable.
 
 Every message is a small dataclass with a `type` tag. `encode(message) -> bytes` packs its
 fields; `decode(data) -> message` unpacks with size limits, looks the tag up, and checks every
