@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum):
     port = free_port()
     launcher = subprocess.Popen(
@@ -36,6 +36,7 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
          "--port", str(port)],
         stdout=subprocess.PIPE, text=True,
     )
+    children: list[int] = []
     try:
         ready_line = ""
         while not ready_line.startswith("pdserve is serving"):
@@ -46,7 +47,7 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
         children = children_of(launcher.pid)
         assert len(children) == 2
         launcher.send_signal(signum)
-        assert launcher.wait(30) == 0
+        assert launcher.wait(30) == (-signal.SIGKILL if signum == signal.SIGKILL else 0)
         deadline = time.monotonic() + 5
         while any(alive(pid) for pid in children):
             assert time.monotonic() < deadline, "a child outlived the launcher"
@@ -55,6 +56,9 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_launcher_fails_when_a_process_cannot_start(tmp_path):
