@@ -68,15 +68,12 @@ class LLM:
         params = params or SamplingParams()
         ids = self._encode(prompt)
         self.engine.validate_prompt(ids, params)
-        request_id = str(next(self._request_counter))
         processor = OutputProcessor(self.tokenizer)
-        self.engine.add_request(request_id, ids, params)
-        processor.add_request(request_id, None, ids, params)
+        request_id = self._submit(processor, None, ids, params)
         state = processor.requests[request_id]
         try:
             while not state.output.finished:
-                for stopped in processor.process(self.engine.step()):
-                    self.engine.finish_request(stopped, "stop")
+                self._step(processor)
                 if state.text_delta:
                     yield state.text_delta
                     state.text_delta = ""
@@ -90,6 +87,19 @@ class LLM:
             raise ValueError("a token-id prompt must be a list of integers")
         return list(prompt)
 
+    def _submit(
+        self, processor: OutputProcessor, text: str | None, ids: list[int], params: SamplingParams
+    ) -> str:
+        request_id = str(next(self._request_counter))
+        self.engine.add_request(request_id, ids, params)
+        processor.add_request(request_id, text, ids, params)
+        return request_id
+
+    def _step(self, processor: OutputProcessor) -> None:
+        """One engine step through the processor; requests a stop string ended are finished."""
+        for request_id in processor.process(self.engine.step()):
+            self.engine.finish_request(request_id, "stop")
+
     def _run(
         self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams]
     ) -> list[RequestOutput]:
@@ -97,14 +107,10 @@ class LLM:
         request_ids = []
         try:
             for (text, ids), p in zip(prompts, params):
-                request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, ids, p)
-                processor.add_request(request_id, text, ids, p)
-                request_ids.append(request_id)
+                request_ids.append(self._submit(processor, text, ids, p))
             results: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():
-                for request_id in processor.process(self.engine.step()):
-                    self.engine.finish_request(request_id, "stop")
+                self._step(processor)
                 results.update((o.request_id, o) for o in processor.pop_finished())
         finally:
             for request_id in request_ids:

@@ -36,10 +36,6 @@ class ModelConfig:
     config_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

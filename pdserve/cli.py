@@ -48,11 +48,15 @@ def _params(args: argparse.Namespace):
     return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
 
 
-def _print_stream(pieces) -> None:
+def _print_stream(pieces) -> str:
+    """Prints text pieces as they arrive, then a newline; returns the whole text."""
+    text = []
     for piece in pieces:
+        text.append(piece)
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    return "".join(text)
 
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -71,13 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _chat_turn(llm, history: list[dict], params) -> str:
     from engine.tokenizer import apply_chat_template
 
-    pieces = []
-    for piece in llm.stream(apply_chat_template(llm.tokenizer, history), params):
-        pieces.append(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    return "".join(pieces)
+    return _print_stream(llm.stream(apply_chat_template(llm.tokenizer, history), params))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

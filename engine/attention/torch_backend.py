@@ -53,10 +53,11 @@ class TorchAttentionMetadata:
 def allowed_keys(
     query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
 ) -> torch.Tensor:
-    """Boolean [queries, keys]: causal, and within the sliding window when there is one."""
-    allowed = key_positions[None, :] <= query_positions[:, None]
+    """Which keys each query may attend (broadcasting the two position tensors): causal, and
+    within the sliding window when there is one."""
+    allowed = key_positions <= query_positions
     if sliding_window is not None:
-        allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
+        allowed &= key_positions > query_positions - sliding_window
     return allowed
 
 
@@ -79,7 +80,9 @@ class TorchAttentionBackend(AttentionBackend):
             if context_len > 0 or self.sliding_window is not None:
                 query_positions = torch.arange(context_len, seq_len, device=device)
                 key_positions = torch.arange(seq_len, device=device)
-                mask = allowed_keys(query_positions, key_positions, self.sliding_window)
+                mask = allowed_keys(
+                    query_positions[:, None], key_positions[None, :], self.sliding_window
+                )
             prefills.append(
                 PrefillSpan(
                     query_start=batch.query_start[i],
@@ -114,9 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
         offsets = torch.arange(block_size, device=device)
         keys = torch.tensor(key_positions, device=device)[:, None] + offsets
         queries = torch.tensor(query_positions, device=device)[:, None]
-        allowed = keys <= queries
-        if self.sliding_window is not None:
-            allowed &= keys > queries - self.sliding_window
+        allowed = allowed_keys(queries, keys, self.sliding_window)
         bias = torch.zeros(allowed.shape, dtype=self.kv_cache.spec.dtype, device=device)
         bias.masked_fill_(~allowed, float("-inf"))
         return DecodeBlocks(
