@@ -27,6 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--prefix-cache-min-blocks", type=int, default=None)
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
     args = parser.parse_args(argv)
     if args.heartbeat_interval <= 0:
@@ -44,10 +48,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             "kv_cache_memory",
             "num_kv_blocks",
             "block_size",
+            "prefix_cache_min_blocks",
         )
         if getattr(args, name) is not None
     }
-    return EngineConfig(model=args.model, **options)
+    return EngineConfig(
+        model=args.model, enable_prefix_caching=args.enable_prefix_caching, **options
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

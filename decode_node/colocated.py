@@ -190,6 +190,7 @@ class ColocatedNode:
             output.finish_reason,
             output.num_prompt_tokens,
             logprobs,
+            output.num_cached_tokens,
         )
 
     def _fail_all(self, message: str) -> None:
@@ -205,6 +206,7 @@ class ColocatedNode:
 
     def _stats(self) -> NodeStats:
         engine = self.engine
+        cache_stats = engine.block_manager.prefix_cache.stats
         return NodeStats(
             node_id=self.node_id,
             role="colocated",
@@ -217,6 +219,10 @@ class ColocatedNode:
             num_preemptions=engine.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            num_cached_blocks=engine.block_manager.num_cached_blocks,
+            prefix_cache_queries_total=cache_stats.queries,
+            prefix_cache_hits_total=cache_stats.hits,
+            prefix_cache_evicted_blocks_total=cache_stats.evicted_blocks,
         )
 
     def _send_stats(self) -> None:

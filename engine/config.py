@@ -34,6 +34,9 @@ class EngineConfig:
         `gpu_memory_utilization` of the device's memory minus what is already in use.
     num_kv_blocks: an exact block count, overriding the memory budget (tests, capacity drills).
     max_model_len: None means the model's `max_position_embeddings`.
+    enable_prefix_caching: keep full KV blocks after their requests and reuse them for prompts
+        that start with the same tokens; `prefix_cache_min_blocks` is the shortest run of full
+        blocks worth keeping.
     """
 
     model: str | None = None
@@ -47,6 +50,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "torch"
+    enable_prefix_caching: bool = True
+    prefix_cache_min_blocks: int = 2
     num_threads: int | None = None
     seed: int = 0
 
@@ -64,6 +69,10 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(
                 f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
+            )
+        if self.prefix_cache_min_blocks < 1:
+            raise ValueError(
+                f"prefix_cache_min_blocks must be >= 1, got {self.prefix_cache_min_blocks}"
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

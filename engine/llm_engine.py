@@ -46,7 +46,12 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = load_tokenizer(self.model_path)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.runner.kv_cache.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_cache_min_blocks,
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
         )
@@ -109,6 +114,7 @@ class LLMEngine:
         samples = self.runner.execute(schedule)
         for scheduled in schedule.scheduled:
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_computed_blocks(scheduled.seq)
         outputs = []
         for scheduled, sample in samples:
             seq = scheduled.seq
@@ -123,6 +129,7 @@ class LLMEngine:
                     new_logprobs=[sample.logprobs] if sample.logprobs else [],
                     finish_reason=reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=seq.num_cached_tokens or 0,
                 )
             )
         return outputs

@@ -58,6 +58,7 @@ class OutputProcessor:
                 continue
             output = state.output
             output.token_ids.extend(step.new_token_ids)
+            output.num_cached_tokens = step.num_cached_tokens
             if output.logprobs is not None:
                 output.logprobs.extend(step.new_logprobs)
             text = state.detokenizer.add(step.new_token_ids)

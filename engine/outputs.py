@@ -14,6 +14,7 @@ class StepOutput:
     new_logprobs: list[TokenLogprobs]
     finish_reason: str | None
     num_prompt_tokens: int
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -45,13 +45,15 @@ class Abort:
 @dataclass
 class TokenUpdate:
     """New tokens of one request. `logprobs` holds one [token_id, logprob, [[id, lp], ...]]
-    entry per new token when the request asked for them; `finish_reason` ends the request."""
+    entry per new token when the request asked for them; `finish_reason` ends the request;
+    `num_cached_tokens` counts the prompt tokens served from the prefix cache."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     logprobs: list[list[Any]] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -85,6 +87,10 @@ class NodeStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    num_cached_blocks: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefix_cache_evicted_blocks_total: int = 0
 
 
 MESSAGE_TYPES: dict[str, type] = {

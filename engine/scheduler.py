@@ -7,8 +7,10 @@ order; holds blocks). Each `schedule()` call builds one step under a token budge
      prefill takes the next chunk that fits the budget. When blocks run short, the most recently
      admitted running sequence is preempted (blocks freed, back to the front of `waiting`,
      recomputed from scratch later) - possibly the one being scheduled itself;
-  2. then waiting sequences, in order, take chunks of their prompts with whatever budget is
-     left, as long as blocks remain above a small watermark (so decodes are not starved).
+  2. then waiting sequences, in order, reuse the longest prefix the prefix cache holds and take
+     chunks of the rest of their prompts with whatever budget is left, as long as blocks remain
+     above a small watermark (so decodes are not starved). Idle cached blocks are evicted before
+     an admission is refused or anything is preempted.
 Every sequence submitted fits the whole cache on its own (checked by the engine at submission),
 so the oldest running sequence can always progress: no deadlock.
 """
@@ -86,9 +88,15 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            num_hit = self.block_manager.match_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new, self.watermark_blocks):
+                self.block_manager.release(seq)
+                seq.num_computed_tokens = 0
                 break
+            self.block_manager.prefix_cache.record_admission(seq.num_tokens, num_hit)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_hit
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -1,7 +1,8 @@
 """A request's state inside one engine.
 
 Lifecycle: WAITING (queued; also after preemption, with no blocks and nothing computed) ->
-RUNNING (holds blocks; `num_computed_tokens` grows by prefill chunks, then one per decode) ->
+RUNNING (holds blocks; `num_computed_tokens` starts at the prefix reused from the cache and
+grows by prefill chunks, then one per decode) ->
 FINISHED (blocks freed in the step that finished it). Preemption moves RUNNING back to WAITING.
 """
 
@@ -39,6 +40,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.num_blocks_offered = 0
+        self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None

@@ -26,6 +26,22 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
+    _prefix_cache_args(parser, default_min_blocks=2)
+
+
+def _prefix_cache_args(parser: argparse.ArgumentParser, default_min_blocks: int | None) -> None:
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt prefixes seen before (default: on)",
+    )
+    parser.add_argument(
+        "--prefix-cache-min-blocks",
+        type=int,
+        default=default_min_blocks,
+        help="shortest run of full KV blocks the prefix cache keeps (default: 2)",
+    )
 
 
 def _make_llm(args: argparse.Namespace):
@@ -39,6 +55,8 @@ def _make_llm(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_min_blocks=args.prefix_cache_min_blocks,
     )
 
 
@@ -122,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    _prefix_cache_args(serve, default_min_blocks=None)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     serve.set_defaults(run=cmd_serve)
     return parser

@@ -74,10 +74,18 @@ class Deployment:
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+    for name in (
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_memory",
+        "prefix_cache_min_blocks",
+    ):
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
+    if not args.enable_prefix_caching:
+        flags.append("--no-enable-prefix-caching")
     return flags
 
 

@@ -45,6 +45,7 @@ class _Choice:
     matcher: StopStringMatcher
     submitted_at: float
     num_tokens: int = 0
+    num_cached_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
     text_parts: list[str] = field(default_factory=list)
@@ -76,6 +77,11 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the node served from its prefix cache (the best of the n choices)."""
+        return max((c.num_cached_tokens for c in self.choices), default=0)
 
     def start(self) -> None:
         """Submits every choice; 503 (after aborting those already sent) if one fails."""
@@ -147,6 +153,7 @@ class Generation:
                 choice.first_token_at = now
                 self.metrics.time_to_first_token.observe(now - choice.submitted_at)
             choice.num_tokens += len(update.token_ids)
+            choice.num_cached_tokens = update.num_cached_tokens
             self.metrics.generation_tokens.inc(len(update.token_ids))
         text = choice.detokenizer.add(update.token_ids)
         if update.finish_reason is not None:

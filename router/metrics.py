@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.protocol import NodeStats
@@ -26,6 +29,48 @@ _LATENCY_BUCKETS = (
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
+_NODE_COUNTERS = (
+    ("pdserve_num_preemptions", "Preemptions on the node so far", "num_preemptions"),
+    (
+        "pdserve_prefix_cache_queries",
+        "Prompt tokens looked up in the node's prefix cache",
+        "prefix_cache_queries_total",
+    ),
+    (
+        "pdserve_prefix_cache_hits",
+        "Prompt tokens served from the node's prefix cache",
+        "prefix_cache_hits_total",
+    ),
+    (
+        "pdserve_prefix_cache_evicted_blocks",
+        "KV blocks evicted from the node's prefix cache",
+        "prefix_cache_evicted_blocks_total",
+    ),
+)
+
+
+class NodeTotalsCollector:
+    """Counters and gauges the nodes keep themselves, exposed from their latest NodeStats."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, NodeStats] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        for name, documentation, field in _NODE_COUNTERS:
+            family = CounterMetricFamily(name, documentation, labels=["node"])
+            for node, stats in self.latest.items():
+                family.add_metric([node], getattr(stats, field))
+            yield family
+        cached = GaugeMetricFamily(
+            "pdserve_prefix_cache_blocks",
+            "KV blocks kept by the node's prefix cache and not in use",
+            labels=["node"],
+        )
+        for node, stats in self.latest.items():
+            cached.add_metric([node], stats.num_cached_blocks)
+        yield cached
+
+
 class RouterMetrics:
     """All of the router's metrics; `render()` gives the Prometheus text exposition."""
 
@@ -46,12 +91,8 @@ class RouterMetrics:
             ["node"],
             registry=r,
         )
-        self.num_preemptions = Gauge(
-            "pdserve_num_preemptions_total",
-            "Preemptions on the node so far",
-            ["node"],
-            registry=r,
-        )
+        self.node_totals = NodeTotalsCollector()
+        r.register(self.node_totals)
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -95,7 +136,7 @@ class RouterMetrics:
         total = stats.num_total_blocks
         used = (total - stats.num_free_blocks) / total if total > 0 else 0.0
         self.kv_cache_usage_ratio.labels(name).set(used)
-        self.num_preemptions.labels(name).set(stats.num_preemptions)
+        self.node_totals.latest[name] = stats
 
     def error(self, kind: str) -> None:
         self.request_errors.labels(kind).inc()

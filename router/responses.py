@@ -36,8 +36,11 @@ class Responder:
         self._logprobs: list[Any] = [None] * n
         self._finish: list[str | None] = [None] * n
 
-    def _usage(self) -> dict[str, int]:
-        return schemas.usage(self.generation.prompt_tokens, self.generation.completion_tokens)
+    def _usage(self) -> schemas.Usage:
+        generation = self.generation
+        return schemas.usage(
+            generation.prompt_tokens, generation.completion_tokens, generation.cached_tokens
+        )
 
     def _done(self) -> None:
         metrics = self.generation.metrics

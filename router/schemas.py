@@ -69,14 +69,15 @@ class ChatCompletionRequest(_CommonParams):
     top_logprobs: int | None = None
 
 
-Usage = dict[str, int]
+Usage = dict[str, Any]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -151,7 +151,12 @@ def test_completion_length_with_logprobs(tmp_path, tokenizer):
     assert choice["text"] == "hello" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["tokens"] == list("hello")
     assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
-    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert data["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_chat_stream_framing_and_usage(tmp_path, tokenizer):

@@ -1,0 +1,26 @@
+"""Prefix caches: `RadixPrefixCache` (the default) and `NullPrefixCache` (caching off)."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.prefix_cache.base import PrefixCache, PrefixCacheStats
+from engine.prefix_cache.null_cache import NullPrefixCache
+from engine.prefix_cache.radix_cache import RadixPrefixCache
+
+__all__ = [
+    "NullPrefixCache",
+    "PrefixCache",
+    "PrefixCacheStats",
+    "RadixPrefixCache",
+    "make_prefix_cache",
+]
+
+
+def make_prefix_cache(
+    enabled: bool, pool: BlockPool, block_size: int, min_blocks: int = 1
+) -> PrefixCache:
+    """The radix cache when `enabled`, else the null one; `min_blocks` is the shortest run of
+    full blocks worth keeping."""
+    if not enabled:
+        return NullPrefixCache()
+    return RadixPrefixCache(pool, block_size, min_blocks)
