@@ -19,7 +19,17 @@ def _verdict(ok: bool) -> str:
 
 def comparison_table(off: dict[str, Any], on: dict[str, Any]) -> str:
     hit_ratio = on["hits"] / max(1, on["ideal"])
-    rows = [
+    rows = []
+    if "lone_ttft" in on:
+        rows.append(
+            [
+                "TTFT of a lone request, no queueing (s)",
+                f"{off['lone_ttft']:.3f}",
+                f"{on['lone_ttft']:.3f}",
+                f"{off['lone_ttft'] / on['lone_ttft']:.1f}x",
+            ]
+        )
+    rows += [
         [
             "TTFT mean (s)",
             f"{off['ttft_mean']:.3f}",
@@ -87,6 +97,31 @@ def targets_table(rag_off: dict, rag_on: dict, overhead: dict) -> str:
     return md_table(["target", "measured", ""], rows)
 
 
+RAG_SETUP = (
+    "{requests} requests of system prompt 2,000 + a distinct document of 500 + a question of "
+    "20 tokens, 16-token answers. Poisson arrivals at {rate:.3f}/s = {load} x the cache-off "
+    "prefill capacity (1 / a lone request's cache-off TTFT, measured in this run); the arrival "
+    "times are the same both ways. One warm-up request of the same shape ran first on each "
+    "engine (for the cache-on engine it caches the system prompt, as in steady-state serving)."
+)
+CHAT_SETUP = (
+    "{conversations} conversations x 4 turns sharing a 200-token system prompt; each turn adds "
+    "60 user tokens and a 48-token answer and is sent when the previous turn ends, carrying the "
+    "whole history."
+)
+OVERHEAD_SETUP = (
+    "{requests} distinct prompts of 64-384 tokens, 32-token answers, all at once; off and on "
+    "alternated {repeats}x. Wall time on two shared cores moves by a few percent from run to "
+    "run, so the time spent inside the prefix-cache operations (match, insert, evict) is also "
+    "measured directly."
+)
+MODEL_SETUP = (
+    "Model: {model}, fp32. Both engines live in this one process with the same settings (KV "
+    "cache {kv_mib} MiB, block size 16, max_num_batched_tokens 2048) and serve the same "
+    "requests; greedy, EOS ignored."
+)
+
+
 def build_report(
     args: argparse.Namespace,
     machine: dict[str, str],
@@ -97,58 +132,22 @@ def build_report(
     rag_off, rag_on, rate = rag
     chat_off, chat_on = chat
     model = args.model or "SmolLM2-135M-Instruct (the default model)"
-    return "\n".join(
-        [
-            "# Prefix cache: off vs on",
-            "",
-            f"Command: `{command_line()}`",
-            "",
-            md_table(["machine", ""], [[k, v] for k, v in machine.items()]),
-            "",
-            (
-                f"Model: {model}, fp32. Both engines live in this one process with the same settings "
-                f"(KV cache {args.kv_cache_memory >> 20} MiB, block size 16, max_num_batched_tokens "
-                "2048) and serve the same requests; greedy, EOS ignored."
-            ),
-            "",
-            "## RAG: one shared 2,000-token system prompt",
-            "",
-            (
-                f"{rag_on['requests']} requests of system prompt 2,000 + a distinct document of 500 + a "
-                f"question of 20 tokens, 16-token answers. Poisson arrivals at {rate:.3f}/s = "
-                f"{args.load} x the cache-off prefill capacity (1 / a lone request's cache-off TTFT, "
-                "measured in this run). One warm-up request of the same shape ran first on each engine "
-                "(for the cache-on engine it caches the system prompt, as in steady-state serving)."
-            ),
-            "",
-            comparison_table(rag_off, rag_on),
-            "",
-            "## Multi-turn chat",
-            "",
-            (
-                f"{args.conversations} conversations x 4 turns sharing a 200-token system prompt; each "
-                "turn adds 60 user tokens and a 48-token answer and is sent when the previous turn "
-                "ends, carrying the whole history."
-            ),
-            "",
-            comparison_table(chat_off, chat_on),
-            "",
-            "## Overhead at a 0% hit rate",
-            "",
-            (
-                f"{args.distinct_requests} distinct prompts of 64-384 tokens, 32-token answers, all at "
-                f"once; off and on alternated {args.overhead_repeats}x. Wall time on two shared cores "
-                "moves by a few percent from run to run, so the time spent inside the prefix-cache "
-                "operations (match, insert, evict) is also measured directly."
-            ),
-            "",
-            overhead_table(overhead),
-            "",
-            "## Targets",
-            "",
-            targets_table(rag_off, rag_on, overhead),
-            "",
-            f"Load average at end: {load_average()}.",
-            "",
-        ]
-    )
+    sections = [
+        "# Prefix cache: off vs on",
+        f"Command: `{command_line()}`",
+        md_table(["machine", ""], [[k, v] for k, v in machine.items()]),
+        MODEL_SETUP.format(model=model, kv_mib=args.kv_cache_memory >> 20),
+        "## RAG: one shared 2,000-token system prompt",
+        RAG_SETUP.format(requests=rag_on["requests"], rate=rate, load=args.load),
+        comparison_table(rag_off, rag_on),
+        "## Multi-turn chat",
+        CHAT_SETUP.format(conversations=args.conversations),
+        comparison_table(chat_off, chat_on),
+        "## Overhead at a 0% hit rate",
+        OVERHEAD_SETUP.format(requests=args.distinct_requests, repeats=args.overhead_repeats),
+        overhead_table(overhead),
+        "## Targets",
+        targets_table(rag_off, rag_on, overhead),
+        f"Load average at end: {load_average()}.",
+    ]
+    return "\n\n".join(sections) + "\n"
