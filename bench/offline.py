@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     results: dict[str, Any] = {"command": command_line(), "machine": machine_info()}
     model_path = resolve_model(args.model)
-    results["model"] = str(model_path)
+    results["model"] = model_path.name
     say(f"command: {results['command']}")
     say(f"machine: {results['machine']}")
 
