@@ -84,6 +84,27 @@ def test_usage_counts_prompt_and_completion_tokens(client, model_name, default_m
     assert out.choices[0].finish_reason == "length"
 
 
+def test_a_repeated_long_prompt_is_served_from_the_prefix_cache(server, client, model_name):
+    document = " ".join(f"Clause {i}: the tenant keeps the garden tidy." for i in range(30))
+    messages = [{"role": "system", "content": document},
+                {"role": "user", "content": "Summarize clause 7."}]
+    hits_before = metric(server, "pdserve_prefix_cache_hits_total")
+    first, second = (
+        client.chat.completions.create(
+            model=model_name, messages=messages, temperature=0, max_tokens=8
+        )
+        for _ in range(2)
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert second.usage.prompt_tokens - 16 <= cached < second.usage.prompt_tokens
+    assert cached % 16 == 0
+    deadline = time.monotonic() + 5
+    while metric(server, "pdserve_prefix_cache_hits_total") < hits_before + cached:
+        assert time.monotonic() < deadline, "the node's cache hits never reached /metrics"
+        time.sleep(0.2)
+
+
 def test_sixteen_concurrent_streams_match_their_solo_text(server, model_name):
     prompts = ["Once upon a time", "The best way to learn", "In 1969,", "def add(a, b):"]
     client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
