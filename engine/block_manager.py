@@ -86,6 +86,22 @@ class BlockManager:
             seq.block_table.append(self.pool.allocate())
         return True
 
+    def allocate_blocks(self, count: int) -> list[int] | None:
+        """`count` blocks held by the caller (evicting idle cached blocks if needed); None,
+        changing nothing, when they are not available."""
+        if not self._ensure_free(count):
+            return None
+        return [self.pool.allocate() for _ in range(count)]
+
+    def hold_blocks(self, block_ids: list[int]) -> None:
+        """The caller takes one more reference on each block (e.g. while a transfer reads it)."""
+        for block_id in block_ids:
+            self.pool.incref(block_id)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.pool.decref(block_id)
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Offers seq's full blocks of computed KV to the prefix cache; where the cache already
         holds the same tokens in another block, seq switches to the cache's block."""

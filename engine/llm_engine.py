@@ -9,6 +9,8 @@ live above it (`engine.output_processor`), which ends requests through `finish_r
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.models import model_class
 from engine.outputs import StepOutput
+from engine.sampler import skip_sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -56,6 +59,8 @@ class LLMEngine:
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
         )
         self.sequences: dict[str, Sequence] = {}
+        self.held_blocks: Counter[int] = Counter()
+        self.on_chunk_computed: Callable[[Sequence], None] | None = None
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -64,14 +69,19 @@ class LLMEngine:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Sequence:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
-        seq = Sequence(
+        return Sequence(
             request_id, prompt_token_ids, params, frozenset(stop_ids), self.runner.device
         )
-        self.sequences[request_id] = seq
-        self.scheduler.add(seq)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -115,6 +125,8 @@ class LLMEngine:
         for scheduled in schedule.scheduled:
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(scheduled.seq)
+            if self.on_chunk_computed is not None:
+                self.on_chunk_computed(scheduled.seq)
         outputs = []
         for scheduled, sample in samples:
             seq = scheduled.seq
@@ -134,5 +146,61 @@ class LLMEngine:
             )
         return outputs
 
+    # -- blocks held outside sequences (disaggregated serving) -------------------------------
+
+    def reserve_blocks(self, num_tokens: int) -> list[int] | None:
+        """Decode side: blocks for a prompt whose KV another node computes, held until
+        `add_prefilled_request` takes them or `release_blocks` returns them; None if the
+        cache cannot hold them now."""
+        block_ids = self.block_manager.allocate_blocks(
+            self.block_manager.blocks_for_tokens(num_tokens)
+        )
+        if block_ids is not None:
+            self.held_blocks.update(block_ids)
+        return block_ids
+
+    def hold_blocks(self, block_ids: list[int]) -> None:
+        """Prefill side: keeps blocks (and their KV) while a transfer still reads them, even
+        after their request has finished."""
+        self.block_manager.hold_blocks(block_ids)
+        self.held_blocks.update(block_ids)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.held_blocks.subtract(block_ids)
+        if min(self.held_blocks.values(), default=0) < 0:
+            raise RuntimeError(f"released blocks that were not held: {block_ids}")
+        self.held_blocks = +self.held_blocks
+        self.block_manager.release_blocks(block_ids)
+
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+        first_token_id: int,
+    ) -> str | None:
+        """Decode side: joins the running batch with the prompt's KV already in `block_ids`
+        (reserved here, filled by a transfer) and its first token sampled elsewhere. Returns
+        the finish reason if that token already ends the request (its blocks are then freed)."""
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        skip_sample(seq, self.model_config.vocab_size)
+        self.held_blocks.subtract(block_ids)
+        self.held_blocks = +self.held_blocks
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.num_cached_tokens = 0
+        reason = seq.append_token(first_token_id)
+        if reason is not None:
+            self.block_manager.free(seq)
+            return reason
+        self.sequences[request_id] = seq
+        self.scheduler.add_running(seq)
+        return None
+
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(seq.block_table for seq in self.sequences.values())
+        tables = [seq.block_table for seq in self.sequences.values()]
+        tables.append(list(self.held_blocks.elements()))
+        self.block_manager.check_integrity(tables)

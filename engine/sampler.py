@@ -89,6 +89,14 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def skip_sample(seq: Sequence, vocab_size: int) -> None:
+    """Advances a seeded sequence's generator past one sample, as if this engine had drawn the
+    token another engine sampled (the first token, in disaggregated serving)."""
+    if seq.generator is not None and not seq.params.greedy:
+        noise = torch.empty(vocab_size, device=seq.generator.device)
+        noise.exponential_(generator=seq.generator)
+
+
 def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
     top: list[tuple[int, float]] = []
     if num_top:

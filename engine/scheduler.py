@@ -104,6 +104,11 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def add_running(self, seq: Sequence) -> None:
+        """Joins a sequence whose prompt KV is already in its blocks (computed elsewhere)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates seq's slots (and private copies of shared blocks), preempting the most
         recently admitted running sequences as needed; False if seq itself was preempted."""
