@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
@@ -49,6 +50,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             "num_kv_blocks",
             "block_size",
             "prefix_cache_min_blocks",
+            "attention_backend",
         )
         if getattr(args, name) is not None
     }

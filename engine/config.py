@@ -34,6 +34,9 @@ class EngineConfig:
         `gpu_memory_utilization` of the device's memory minus what is already in use.
     num_kv_blocks: an exact block count, overriding the memory budget (tests, capacity drills).
     max_model_len: None means the model's `max_position_embeddings`.
+    attention_backend: "torch" (the CPU default) or "triton" (GPU kernels).
+    cuda_graphs: replay captured CUDA graphs for pure-decode steps (CUDA and the triton
+        backend only; ignored on the CPU).
     enable_prefix_caching: keep full KV blocks after their requests and reuse them for prompts
         that start with the same tokens; `prefix_cache_min_blocks` is the shortest run of full
         blocks worth keeping.
@@ -50,6 +53,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "torch"
+    cuda_graphs: bool = False
     enable_prefix_caching: bool = True
     prefix_cache_min_blocks: int = 2
     num_threads: int | None = None
@@ -84,6 +88,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        from engine.attention import check_attention_backend
+
+        check_attention_backend(self.attention_backend)
+        if self.cuda_graphs and self.attention_backend != "triton":
+            raise ValueError(
+                f"cuda_graphs needs attention_backend 'triton', got {self.attention_backend!r}"
+            )
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

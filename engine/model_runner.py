@@ -50,6 +50,14 @@ class ModelRunner:
             model_config.sliding_window,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.decode_graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.attention, config.max_num_seqs, max_model_len,
+                config.block_size, self.device,
+            )
 
     def _kv_cache_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -75,10 +83,13 @@ class ModelRunner:
             block_size=self.config.block_size,
             device=self.device,
         )
-        metadata = self.attention.prepare(batch)
-        logits = self.model(
-            batch.input_ids, batch.positions, batch.logits_indices, self.attention, metadata
-        )
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            logits = self.decode_graphs.run(batch)
+        else:
+            metadata = self.attention.prepare(batch)
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.logits_indices, self.attention, metadata
+            )
         sampled = [s for s in ordered if s.completes_prompt]
         if not sampled:
             return []

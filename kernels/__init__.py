@@ -1,0 +1,7 @@
+"""Triton kernels for paged attention and KV movement, with pure-torch references.
+
+Each kernel sits beside the wrapper that checks its arguments and launches it: store_kv.py,
+decode_attention.py, prefill_attention.py, block_copy.py. reference.py defines what each
+computes; launch.py holds what the wrappers share. This package imports nothing from the rest
+of the project.
+"""

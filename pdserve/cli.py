@@ -23,6 +23,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="torch", help="torch (CPU) or triton (GPU)")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -54,6 +55,7 @@ def _make_llm(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
+        attention_backend=args.attention_backend,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_min_blocks=args.prefix_cache_min_blocks,
@@ -140,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    serve.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
     _prefix_cache_args(serve, default_min_blocks=None)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     serve.set_defaults(run=cmd_serve)

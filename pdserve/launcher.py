@@ -80,6 +80,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "max_num_batched_tokens",
         "kv_cache_memory",
         "prefix_cache_min_blocks",
+        "attention_backend",
     ):
         value = getattr(args, name)
         if value is not None:

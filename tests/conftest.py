@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# The kernel tests run the Triton kernels on the CPU in Triton's interpreter. Triton reads this
+# once, when it is first imported (transformers and torch import it as a side effect), so it is
+# set here, before any test module loads; code that launches no Triton kernel is unaffected.
+# TRITON_INTERPRET=0 in the environment runs the kernel tests compiled, on a CUDA GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

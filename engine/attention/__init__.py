@@ -1,17 +1,35 @@
-"""Attention backends by name: `torch` (reference, CPU) and later `triton` (GPU)."""
+"""Attention backends by name: `torch` (reference, the CPU default) and `triton` (GPU kernels).
+
+Each entry loads its class on first use, so choosing `torch` never imports triton.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+
+def _triton_backend() -> type[AttentionBackend]:
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "torch": lambda: TorchAttentionBackend,
+    "triton": _triton_backend,
+}
+
+
+def check_attention_backend(name: str) -> None:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention backend {name!r} is unknown; valid: {', '.join(sorted(ATTENTION_BACKENDS))}"
+        )
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:
-    try:
-        return ATTENTION_BACKENDS[name]
-    except KeyError:
-        raise ValueError(
-            f"attention backend {name!r} is unknown; valid: {', '.join(sorted(ATTENTION_BACKENDS))}"
-        ) from None
+    check_attention_backend(name)
+    return ATTENTION_BACKENDS[name]()
