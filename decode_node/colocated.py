@@ -191,6 +191,7 @@ class ColocatedNode:
             output.num_prompt_tokens,
             logprobs,
             output.num_cached_tokens,
+            output.offset,
         )
 
     def _fail_all(self, message: str) -> None:

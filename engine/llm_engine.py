@@ -17,8 +17,9 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import StepOutput
 from engine.sampler import skip_sample
@@ -39,7 +40,9 @@ def _resolve_model_path(model: str | None) -> Path:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory = KVCache) -> None:
+        """`kv_cache_factory(spec, num_blocks, device)` allocates the KV cache (a decode node
+        passes its KV receiver's, which places the buffer where prefill nodes can write)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -48,7 +51,9 @@ class LLMEngine:
         model_class(self.model_config)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = load_tokenizer(self.model_path)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = ModelRunner(
+            config, self.model_config, self.max_model_len, kv_cache_factory
+        )
         self.block_manager = BlockManager(
             self.runner.kv_cache.num_blocks,
             config.block_size,
@@ -142,6 +147,7 @@ class LLMEngine:
                     finish_reason=reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens or 0,
+                    offset=seq.num_output_tokens - 1,
                 )
             )
         return outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -19,8 +20,17 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+KVCacheFactory = Callable[[KVCacheSpec, int, torch.device], KVCache]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len: int,
+        kv_cache_factory: KVCacheFactory = KVCache,
+    ):
         self.config = config
         self.model_config = model_config
         self.device = config.resolve_device()
@@ -36,7 +46,7 @@ class ModelRunner:
             dtype=self.dtype,
         )
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(self._kv_cache_budget())
-        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        self.kv_cache = kv_cache_factory(spec, num_blocks, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.kv_cache.num_blocks, config.block_size,

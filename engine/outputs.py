@@ -15,6 +15,7 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    offset: int = 0  # index of the first new token among the request's output tokens
 
 
 @dataclass

@@ -5,10 +5,22 @@ fields; `decode(data) -> message` unpacks with size limits, looks the tag up, an
 field's type before constructing the dataclass, raising `ProtocolError` on anything malformed
 or unknown (receivers log and drop such messages; they never crash on them).
 
-Flows (colocated mode):
-  router -> node   Generate, Abort
-  node -> router   TokenBatch (after every engine step that produced tokens), RequestFailed,
-                   NodeStats (every heartbeat interval; also tells the router the node is alive)
+Flows, colocated mode:
+  router -> node     Generate, Abort
+  node -> router     TokenBatch (after every engine step that produced tokens), RequestFailed,
+                     NodeStats (every heartbeat interval; also tells the router the node is alive,
+                     and, with its listen address, registers a node the router did not know)
+Disaggregated mode adds:
+  router -> decode   Generate with `prefill_address`: reserve blocks, then ask that prefill node
+  router -> prefill  Abort (the router aborts a request on both nodes)
+  decode -> prefill  PrefillRequest (prompt, sampling, the reserved target blocks, the decode
+                     node's KV descriptor, seconds left before the transfer's deadline)
+  prefill -> router  TokenBatch with the first token (offset 0), RequestFailed, NodeStats
+  prefill -> decode  PrefillDone (the first token) once the prompt's last chunk has been written
+  decode -> router   TokenBatch with the following tokens (offsets from 1), RequestFailed
+Token updates carry their `offset` among the request's output tokens, so the router restores
+their order when the first token (from the prefill node) and the rest (from the decode node)
+arrive over different connections.
 """
 
 from __future__ import annotations
@@ -28,12 +40,42 @@ class ProtocolError(ValueError):
 
 @dataclass
 class Generate:
-    """Start a request. `sampling` holds SamplingParams keyword arguments."""
+    """Start a request. `sampling` holds SamplingParams keyword arguments. With
+    `prefill_address` (to a decode node), that prefill node computes the prompt."""
 
     type: ClassVar[str] = "generate"
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
+    prefill_address: str | None = None
+
+
+@dataclass
+class PrefillRequest:
+    """Decode node -> prefill node: compute this prompt's KV into `dst_block_ids` of the decode
+    node described by `kv_descriptor`, within `deadline_s` seconds; send the first token to the
+    router and PrefillDone to `decode_address`."""
+
+    type: ClassVar[str] = "prefill_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    dst_block_ids: list[int]
+    decode_address: str
+    kv_descriptor: bytes
+    deadline_s: float
+
+
+@dataclass
+class PrefillDone:
+    """Prefill node -> decode node: the prompt is computed (every block written) and this is
+    its first token."""
+
+    type: ClassVar[str] = "prefill_done"
+    request_id: str
+    token_id: int
+    logprobs: list[Any] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -46,7 +88,8 @@ class Abort:
 class TokenUpdate:
     """New tokens of one request. `logprobs` holds one [token_id, logprob, [[id, lp], ...]]
     entry per new token when the request asked for them; `finish_reason` ends the request;
-    `num_cached_tokens` counts the prompt tokens served from the prefix cache."""
+    `num_cached_tokens` counts the prompt tokens served from the prefix cache; `offset` is the
+    index of this update's first token among the request's output tokens."""
 
     request_id: str
     token_ids: list[int]
@@ -54,6 +97,7 @@ class TokenUpdate:
     num_prompt_tokens: int = 0
     logprobs: list[list[Any]] | None = None
     num_cached_tokens: int = 0
+    offset: int = 0
 
 
 @dataclass
@@ -91,10 +135,27 @@ class NodeStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prefix_cache_evicted_blocks_total: int = 0
+    listen_address: str = ""
+    model_fingerprint: str = ""
+    dtype: str = ""
+    block_size: int = 0
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    kv_transfer_failures_total: int = 0
+    preallocation_wait_seconds_total: float = 0.0
 
 
 MESSAGE_TYPES: dict[str, type] = {
-    cls.type: cls for cls in (Generate, Abort, TokenBatch, RequestFailed, NodeStats)
+    cls.type: cls
+    for cls in (
+        Generate,
+        Abort,
+        TokenBatch,
+        RequestFailed,
+        NodeStats,
+        PrefillRequest,
+        PrefillDone,
+    )
 }
 
 
@@ -121,7 +182,7 @@ def decode(data: bytes) -> Any:
     return _build(cls, fields)
 
 
-_SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+_SCALARS = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}
 
 
 def _build(cls: type, fields: Any) -> Any:

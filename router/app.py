@@ -29,7 +29,8 @@ from router.errors import APIError, error_body, install_error_handlers, validati
 from router.generation import ClientDisconnected, Generation
 from router.logprobs import LogprobFormatter
 from router.metrics import RouterMetrics
-from router.node_client import NodeClient, NodeState
+from router.node_client import NodeClient
+from router.node_registry import NodeState
 from router.responses import Responder
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse

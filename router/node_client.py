@@ -3,9 +3,13 @@
 One PUSH socket per node address (a plain, non-blocking zmq socket, so `abort` is a plain
 call that works even inside a cancelled task's `finally`), one PULL socket bound at the
 router's listen address (zmq.asyncio), and two tasks: the receiver, which dispatches every
-TokenUpdate and RequestFailed to the queue of its request and records each node's NodeStats
-(its heartbeat), and the watchdog, which fails the in-flight requests of a node that stopped
-sending stats with a 503.
+TokenUpdate (in output order) and RequestFailed to the queue of its request and records each
+node's NodeStats (its heartbeat, see node_registry.py), and the watchdog, which fails with a
+503 the in-flight requests of a node that stopped sending stats.
+
+With live decode nodes a request is disaggregated: Generate goes to a decode node (routing.py)
+naming the prefill node that computes the prompt; aborts go to both. Otherwise a colocated
+node serves it.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from engine.protocol import (
     ProtocolError,
     RequestFailed,
     TokenBatch,
+    TokenUpdate,
     decode,
     encode,
 )
+from router.node_registry import NodeRegistry, NodeState
+from router.routing import PrefillRouter, pick_decode_node
 
 logger = logging.getLogger(__name__)
 
@@ -38,39 +45,20 @@ WATCHDOG_INTERVAL_S = 0.25
 
 
 @dataclass
-class NodeState:
-    """One configured node: its address and what its last NodeStats said."""
-
-    address: str
-    node_id: str | None = None
-    stats: NodeStats | None = None
-    last_seen: float = float("-inf")
-    socket: Any = None
-
-    def alive(self, now: float, timeout_s: float) -> bool:
-        return self.stats is not None and now - self.last_seen <= timeout_s
-
-
-@dataclass
 class InFlight:
+    """A request sent to `node` (decode or colocated), and to `prefill` in disaggregated mode.
+
+    Updates are delivered to `queue` in output order: one arriving ahead of `next_offset` waits
+    in `early` (the first token comes from the prefill node, the rest from the decode node)."""
+
     queue: asyncio.Queue
     node: NodeState
+    prefill: NodeState | None = None
+    queued_tokens: int = 0
     started: bool = False  # whether any token (or failure) arrived yet
+    next_offset: int = 0
+    early: dict[int, TokenUpdate] = field(default_factory=dict)
     submitted_at: float = field(default_factory=time.monotonic)
-
-
-def parse_node_spec(spec: str) -> tuple[str | None, str]:
-    """`ID=tcp://host:port` -> (ID, address); `tcp://host:port` -> (None, address)."""
-    node_id, sep, address = spec.partition("=")
-    if sep and "://" not in node_id:
-        return node_id, address
-    return None, spec
-
-
-def pick_node(nodes: list[NodeState], now: float, timeout_s: float) -> NodeState | None:
-    """The live node with the most free KV-cache blocks, or None if none is alive."""
-    live = [n for n in nodes if n.alive(now, timeout_s)]
-    return max(live, key=lambda n: n.stats.num_free_blocks, default=None)
 
 
 class NodeClient:
@@ -81,19 +69,23 @@ class NodeClient:
         node_timeout_s: float = 30.0,
         on_stats: Callable[[NodeState], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        prefill_router: PrefillRouter | None = None,
     ) -> None:
-        self.nodes = [
-            NodeState(address, node_id) for node_id, address in map(parse_node_spec, node_addresses)
-        ]
+        self.registry = NodeRegistry(node_addresses, node_timeout_s, self._connect, clock)
         self.listen_address = listen_address
         self.node_timeout_s = node_timeout_s
         self.on_stats = on_stats
         self.clock = clock
+        self.prefill_router = prefill_router or PrefillRouter()
         self.inflight: dict[str, InFlight] = {}
         self._sync_context: zmq.Context | None = None
         self._async_context: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+
+    @property
+    def nodes(self) -> list[NodeState]:
+        return self.registry.nodes
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -104,14 +96,19 @@ class NodeClient:
         self._pull.bind(self.listen_address)
         self._sync_context = zmq.Context()
         for node in self.nodes:
-            node.socket = self._sync_context.socket(zmq.PUSH)
-            node.socket.setsockopt(zmq.LINGER, 0)
-            node.socket.setsockopt(zmq.SNDHWM, 100_000)
-            node.socket.connect(node.address)
+            self._connect(node)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="node-client-receive"),
             asyncio.create_task(self._watchdog_loop(), name="node-client-watchdog"),
         ]
+
+    def _connect(self, node: NodeState) -> None:
+        if self._sync_context is None:
+            return
+        node.socket = self._sync_context.socket(zmq.PUSH)
+        node.socket.setsockopt(zmq.LINGER, 0)
+        node.socket.setsockopt(zmq.SNDHWM, 100_000)
+        node.socket.connect(node.address)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -137,7 +134,13 @@ class NodeClient:
     # -- state -------------------------------------------------------------------------------
 
     def live_node(self) -> NodeState | None:
-        return pick_node(self.nodes, self.clock(), self.node_timeout_s)
+        """A node that can serve a request now: a decode node when a prefill node is alive
+        too (disaggregated), else a colocated node; None when neither is."""
+        if self.registry.live("prefill"):
+            decode_node = pick_decode_node(self.registry.live("decode"))
+            if decode_node is not None:
+                return decode_node
+        return pick_decode_node(self.registry.live("colocated"))
 
     def any_alive(self) -> bool:
         return self.live_node() is not None
@@ -149,16 +152,8 @@ class NodeClient:
 
     def record_stats(self, stats: NodeStats) -> NodeState | None:
         """Stores a node's stats (its heartbeat); also used by tests to inject a live node."""
-        node = next((n for n in self.nodes if n.node_id == stats.node_id), None)
-        if node is None:  # an unnamed address: bind the first one not yet claimed
-            node = next((n for n in self.nodes if n.node_id is None), None)
-            if node is None:
-                logger.warning("stats from unknown node %r ignored", stats.node_id)
-                return None
-            node.node_id = stats.node_id
-        node.stats = stats
-        node.last_seen = self.clock()
-        if self.on_stats is not None:
+        node = self.registry.record(stats)
+        if node is not None and self.on_stats is not None:
             self.on_stats(node)
         return node
 
@@ -179,23 +174,48 @@ class NodeClient:
             raise LookupError("no live node")
         if request_id in self.inflight:
             raise ValueError(f"request id {request_id!r} is in use")
-        queue = queue if queue is not None else asyncio.Queue()
+        entry = InFlight(queue if queue is not None else asyncio.Queue(), node)
+        message = Generate(request_id, prompt_ids, sampling)
+        if node.role == "decode":
+            entry.prefill, cached = self.prefill_router.pick(
+                self.registry.live("prefill"), prompt_ids
+            )
+            entry.queued_tokens = len(prompt_ids) - cached
+            message.prefill_address = entry.prefill.address
         try:
-            node.socket.send(encode(Generate(request_id, prompt_ids, sampling)), zmq.NOBLOCK)
+            node.socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             raise RuntimeError("the node is not accepting requests") from None
-        self.inflight[request_id] = InFlight(queue, node, submitted_at=self.clock())
-        return queue
+        if entry.prefill is not None:
+            self.prefill_router.queue(entry.prefill, entry.queued_tokens)
+        entry.submitted_at = self.clock()
+        self.inflight[request_id] = entry
+        return entry.queue
 
     def abort(self, request_id: str) -> None:
-        """Forgets the request and tells its node to drop it (never blocks, never raises)."""
-        entry = self.inflight.pop(request_id, None)
-        if entry is None or entry.node.socket is None:
+        """Forgets the request and tells its nodes to drop it (never blocks, never raises)."""
+        entry = self._forget(request_id)
+        if entry is None:
             return
-        try:
-            entry.node.socket.send(encode(Abort(request_id)), zmq.NOBLOCK)
-        except zmq.ZMQError as error:
-            logger.warning("could not send Abort for %s: %s", request_id, error)
+        for node in (entry.node, entry.prefill):
+            if node is None or node.socket is None:
+                continue
+            try:
+                node.socket.send(encode(Abort(request_id)), zmq.NOBLOCK)
+            except zmq.ZMQError as error:
+                logger.warning("could not send Abort for %s: %s", request_id, error)
+
+    def _forget(self, request_id: str) -> InFlight | None:
+        entry = self.inflight.pop(request_id, None)
+        if entry is not None:
+            self._started(entry)
+        return entry
+
+    def _started(self, entry: InFlight) -> None:
+        if not entry.started:
+            entry.started = True
+            if entry.prefill is not None:
+                self.prefill_router.dequeue(entry.prefill, entry.queued_tokens)
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -217,19 +237,27 @@ class NodeClient:
             self.record_stats(message)
         elif isinstance(message, TokenBatch):
             for update in message.updates:
-                entry = self.inflight.get(update.request_id)
-                if entry is None:
-                    continue  # aborted or unknown
-                entry.started = True
-                if update.finish_reason is not None:
-                    del self.inflight[update.request_id]
-                entry.queue.put_nowait(update)
+                self._deliver_in_order(update)
         elif isinstance(message, RequestFailed):
-            entry = self.inflight.pop(message.request_id, None)
+            entry = self._forget(message.request_id)
             if entry is not None:
                 entry.queue.put_nowait(message)
         else:
             logger.warning("dropped an unexpected %s message", type(message).__name__)
+
+    def _deliver_in_order(self, update: TokenUpdate) -> None:
+        entry = self.inflight.get(update.request_id)
+        if entry is None or update.offset < entry.next_offset:
+            return  # aborted, unknown, or already delivered
+        entry.early[update.offset] = update
+        while entry.next_offset in entry.early:
+            ready = entry.early.pop(entry.next_offset)
+            self._started(entry)
+            entry.next_offset += len(ready.token_ids)
+            entry.queue.put_nowait(ready)
+            if ready.finish_reason is not None:
+                del self.inflight[update.request_id]
+                return
 
     async def _watchdog_loop(self) -> None:
         while True:
@@ -237,11 +265,17 @@ class NodeClient:
             self.fail_dead_nodes()
 
     def fail_dead_nodes(self) -> None:
-        """Fails (503) every in-flight request whose node stopped sending stats."""
+        """Fails (503) every in-flight request whose node stopped sending stats (for its
+        prefill node: before the first token came back)."""
         now = self.clock()
         for request_id, entry in list(self.inflight.items()):
-            if not entry.node.alive(now, self.node_timeout_s):
-                del self.inflight[request_id]
+            prefill_lost = (
+                entry.prefill is not None
+                and not entry.started
+                and not entry.prefill.alive(now, self.node_timeout_s)
+            )
+            if prefill_lost or not entry.node.alive(now, self.node_timeout_s):
+                self.abort(request_id)
                 entry.queue.put_nowait(
-                    RequestFailed(request_id, "the node serving this request stopped", 503)
+                    RequestFailed(request_id, "a node serving this request stopped", 503)
                 )

@@ -66,6 +66,7 @@ class ScriptedNode:
                 "length" if last else None,
                 len(message.prompt_token_ids),
                 logprobs,
+                offset=i,
             )
             await self.push.send(encode(TokenBatch("n0", [update])))
 

@@ -1,0 +1,125 @@
+"""The nodes the router knows: configured addresses, nodes that join by their heartbeat, roles,
+liveness, and the pairing check.
+
+A node is known from a configured address (`[ID=]tcp://host:port`, bound to the first
+heartbeat that claims it) or from a heartbeat carrying a `listen_address` the router has not
+seen (a node started on another host joins this way). It is alive while its NodeStats keep
+arriving within `node_timeout_s`. Its role (colocated, prefill, decode) comes from its stats.
+
+Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
+block size); a node that differs in any of them is refused, with a message naming both values,
+and never receives a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import NodeStats
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass
+class NodeState:
+    """One node: its address and what its last NodeStats said."""
+
+    address: str
+    node_id: str | None = None
+    stats: NodeStats | None = None
+    last_seen: float = float("-inf")
+    socket: Any = None
+    refused: str | None = None
+
+    @property
+    def role(self) -> str | None:
+        return self.stats.role if self.stats is not None else None
+
+    def alive(self, now: float, timeout_s: float) -> bool:
+        return self.stats is not None and self.refused is None and now - self.last_seen <= timeout_s
+
+
+def parse_node_spec(spec: str) -> tuple[str | None, str]:
+    """`ID=tcp://host:port` -> (ID, address); `tcp://host:port` -> (None, address)."""
+    node_id, sep, address = spec.partition("=")
+    if sep and "://" not in node_id:
+        return node_id, address
+    return None, spec
+
+
+class NodeRegistry:
+    def __init__(
+        self,
+        node_addresses: list[str],
+        node_timeout_s: float,
+        connect: Callable[[NodeState], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.nodes = [
+            NodeState(address, node_id) for node_id, address in map(parse_node_spec, node_addresses)
+        ]
+        self.node_timeout_s = node_timeout_s
+        self.connect = connect
+        self.clock = clock
+        self.reference: tuple[str, str, int] | None = None
+
+    def live(self, role: str | None = None) -> list[NodeState]:
+        now = self.clock()
+        return [
+            n
+            for n in self.nodes
+            if n.alive(now, self.node_timeout_s) and (role is None or n.role == role)
+        ]
+
+    def record(self, stats: NodeStats) -> NodeState | None:
+        """Stores a node's heartbeat; registers a node that joins with its listen address."""
+        node = self._find(stats)
+        if node is None:
+            logger.warning("stats from unknown node %r ignored", stats.node_id)
+            return None
+        if stats.role not in ROLES:
+            logger.warning("node %s reports an unknown role %r", stats.node_id, stats.role)
+            return None
+        if node.stats is None:
+            node.refused = self._pairing_problem(stats)
+            if node.refused:
+                logger.error("refused node %s: %s", stats.node_id, node.refused)
+            else:
+                logger.info("node %s (%s) joined at %s", stats.node_id, stats.role, node.address)
+        node.stats = stats
+        node.last_seen = self.clock()
+        return node
+
+    def _find(self, stats: NodeStats) -> NodeState | None:
+        node = next((n for n in self.nodes if n.node_id == stats.node_id), None)
+        if node is not None:
+            return node
+        if stats.listen_address:
+            node = next((n for n in self.nodes if n.address == stats.listen_address), None)
+            if node is None:
+                node = NodeState(stats.listen_address)
+                self.connect(node)
+                self.nodes.append(node)
+        else:
+            node = next((n for n in self.nodes if n.node_id is None), None)
+        if node is not None:
+            node.node_id = stats.node_id
+        return node
+
+    def _pairing_problem(self, stats: NodeStats) -> str | None:
+        if not stats.model_fingerprint:
+            return None
+        mine = (stats.model_fingerprint, stats.dtype, stats.block_size)
+        if self.reference is None:
+            self.reference = mine
+            return None
+        names = ("model fingerprint", "KV dtype", "block size")
+        for name, theirs, expected in zip(names, mine, self.reference):
+            if theirs != expected:
+                return f"its {name} is {theirs!r} but the other nodes have {expected!r}"
+        return None

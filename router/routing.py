@@ -1,0 +1,88 @@
+"""Which node gets a request.
+
+- Decode (and colocated) nodes: the most free KV blocks, then the fewest running requests.
+- Prefill nodes: the longest cached prefix, from a per-node index of the block hashes of the
+  prompts the router sent there (chained hashes of block-sized runs of token ids, so two
+  prompts share a hash exactly when they share every token up to the end of that block). The
+  index is the router's belief, not the node's cache: it forgets the oldest hashes beyond
+  `max_blocks_per_node` and never learns about evictions, which only costs a cache miss.
+  Ties go to the node with less queued work, then to the one with the smaller index, so new
+  prefixes spread over the nodes.
+  Load balance: when the best-matching node has more than `imbalance_tokens` more uncached
+  prompt tokens queued (sent, first token not back yet) than the least loaded one, the least
+  loaded one gets the request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from router.node_registry import NodeState
+
+
+def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:
+    return max(
+        nodes,
+        key=lambda n: (n.stats.num_free_blocks, -n.stats.num_running),
+        default=None,
+    )
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    hashes, previous = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hash((previous, tuple(token_ids[start : start + block_size])))
+        hashes.append(previous)
+    return hashes
+
+
+class PrefillRouter:
+    def __init__(self, imbalance_tokens: int = 4096, max_blocks_per_node: int = 1 << 17) -> None:
+        self.imbalance_tokens = imbalance_tokens
+        self.max_blocks_per_node = max_blocks_per_node
+        self.index: dict[str, OrderedDict[int, None]] = {}
+        self.queued_tokens: dict[str, int] = {}
+
+    def pick(self, nodes: list[NodeState], token_ids: list[int]) -> tuple[NodeState, int] | None:
+        """The node for a prompt and the number of its tokens that node likely has cached."""
+        if not nodes:
+            return None
+        block_size = nodes[0].stats.block_size or 16
+        hashes = block_hashes(token_ids, block_size)
+
+        def cached_blocks(node: NodeState) -> int:
+            known = self.index.get(node.address, {})
+            count = 0
+            while count < len(hashes) and hashes[count] in known:
+                count += 1
+            return count
+
+        def queued(node: NodeState) -> int:
+            return self.queued_tokens.get(node.address, 0)
+
+        matches = {node.address: cached_blocks(node) for node in nodes}
+        best = max(
+            nodes,
+            key=lambda n: (matches[n.address], -queued(n), -len(self.index.get(n.address, ()))),
+        )
+        least_loaded = min(nodes, key=queued)
+        if queued(best) - queued(least_loaded) > self.imbalance_tokens:
+            best = least_loaded
+        self._remember(best, hashes)
+        return best, matches[best.address] * block_size
+
+    def _remember(self, node: NodeState, hashes: list[int]) -> None:
+        known = self.index.setdefault(node.address, OrderedDict())
+        for value in hashes:
+            known[value] = None
+            known.move_to_end(value)
+        while len(known) > self.max_blocks_per_node:
+            known.popitem(last=False)
+
+    def queue(self, node: NodeState, num_tokens: int) -> None:
+        self.queued_tokens[node.address] = self.queued_tokens.get(node.address, 0) + num_tokens
+
+    def dequeue(self, node: NodeState, num_tokens: int) -> None:
+        self.queued_tokens[node.address] = max(
+            0, self.queued_tokens.get(node.address, 0) - num_tokens
+        )
