@@ -1,0 +1,28 @@
+"""KV transfer from prefill to decode nodes: shm, cuda_ipc and zmq transports over one channel.
+
+See base.py for who calls what and when, ledger.py for completion and the late-write rule.
+"""
+
+from __future__ import annotations
+
+from kvtransfer.base import KVReceiver, KVSender, KVTransferError, TransferEvent, TransferKind
+from kvtransfer.descriptor import DescriptorMismatch, KVDescriptor
+from kvtransfer.outgoing import SenderConfig
+from kvtransfer.receiver import ChannelReceiver, ReceiverConfig
+from kvtransfer.sender import ChannelSender
+from kvtransfer.transports.registry import TRANSPORT_NAMES
+
+__all__ = [
+    "TRANSPORT_NAMES",
+    "ChannelReceiver",
+    "ChannelSender",
+    "DescriptorMismatch",
+    "KVDescriptor",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "ReceiverConfig",
+    "SenderConfig",
+    "TransferEvent",
+    "TransferKind",
+]

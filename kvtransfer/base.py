@@ -1,0 +1,137 @@
+"""The KV transfer interface: a decode-side receiver and a prefill-side sender.
+
+Who calls what, and when (every call comes from the owning node's own thread; each side runs
+one I/O thread of its own that owns its socket):
+
+Decode node (`KVReceiver`)
+  allocate_kv_cache(spec, num_blocks, device)  once at start-up, before the engine is built: the
+                                 KV buffer (in shared memory for shm); the engine runs on it.
+  register(kv_cache, model_fingerprint)        once, right after: opens the channel and
+                                 returns the `KVDescriptor` the node publishes to prefill nodes.
+  expect(transfer_id, block_ids, deadline)     when the node has reserved destination blocks for
+                                 a request, before it tells the prefill node the target blocks.
+  abort(transfer_id)             when the request is aborted (client gone, router Abort).
+  poll()                         every loop iteration: COMPLETE (all blocks of all layers
+                                 arrived; the request may decode), FAILED (deadline passed or
+                                 aborted; fail the request now), RELEASED (after FAILED: the
+                                 blocks may be freed and reused; no write can land in them any
+                                 more).
+  wait(transfer_id, timeout)     instead of poll, where the caller blocks (tests, tools).
+  close()                        at shutdown.
+
+Prefill node (`KVSender`, one per decode node it writes to)
+  connect(descriptor, kv_cache, model_fingerprint)  once per decode node, before the first write;
+                                 raises `DescriptorMismatch` naming both values of any field
+                                 that differs.
+  write(transfer_id, src_block_ids, dst_block_ids)  after each prefill chunk's forward, for the
+                                 blocks that chunk completed (the last chunk also writes the
+                                 partial last block); returns at once, the copy overlaps the next
+                                 chunk. Each destination block is written once per transfer. The
+                                 source blocks must stay unchanged until the transfer's event.
+  poll() / wait(transfer_id, timeout)  COMPLETE (the decode node committed the transfer) or
+                                 FAILED (refused, rejected, deadline, aborted, decode node gone);
+                                 after either, no source block of the transfer is read again.
+  abort(transfer_id)             when the request is aborted on the prefill side.
+  close()                        at shutdown.
+
+Deadlines belong to the decode side: `expect` sets one, the sender learns the seconds left when
+its first write is granted, and both sides fail the transfer when it passes, with an error that
+names the request (transfer ids are request ids).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer.descriptor import KVDescriptor
+
+
+class KVTransferError(RuntimeError):
+    """A transfer that failed, or a wait that timed out; the message names the request."""
+
+
+class TransferKind(enum.Enum):
+    COMPLETE = "complete"
+    FAILED = "failed"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    transfer_id: str
+    kind: TransferKind
+    error: str | None = None
+    block_ids: tuple[int, ...] = ()
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: owns the registered KV buffer and decides what may be written into it."""
+
+    @abc.abstractmethod
+    def allocate_kv_cache(
+        self, spec: KVCacheSpec, num_blocks: int, device: torch.device
+    ) -> KVCache: ...
+
+    @abc.abstractmethod
+    def register(self, kv_cache: KVCache, model_fingerprint: str) -> KVDescriptor: ...
+
+    @property
+    @abc.abstractmethod
+    def descriptor(self) -> KVDescriptor: ...
+
+    @abc.abstractmethod
+    def expect(self, transfer_id: str, block_ids: list[int], deadline: float) -> None:
+        """`deadline` is a time.monotonic() value; block ids must not be held by another
+        transfer that is still expected or not yet released."""
+
+    @abc.abstractmethod
+    def abort(self, transfer_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def poll(self) -> list[TransferEvent]:
+        """New events since the last poll, each reported once."""
+
+    @abc.abstractmethod
+    def wait(self, transfer_id: str, timeout: float) -> TransferEvent:
+        """Blocks until the transfer is COMPLETE or RELEASED (returned with the FAILED error);
+        raises KVTransferError after `timeout` seconds. Consumes that transfer's events."""
+
+    @abc.abstractmethod
+    def held_block_count(self) -> int:
+        """Blocks of transfers that are expected, or failed and not yet released."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class KVSender(abc.ABC):
+    """Prefill side: copies or sends blocks of its own KV cache into one decode node's."""
+
+    @abc.abstractmethod
+    def connect(
+        self, descriptor: KVDescriptor, kv_cache: KVCache, model_fingerprint: str
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def write(self, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        ...
+
+    @abc.abstractmethod
+    def poll(self) -> list[TransferEvent]:
+        """New COMPLETE / FAILED events since the last poll, each reported once."""
+
+    @abc.abstractmethod
+    def wait(self, transfer_id: str, timeout: float) -> TransferEvent:
+        """Blocks until the transfer is COMPLETE or FAILED; raises KVTransferError after
+        `timeout` seconds. Consumes that transfer's event."""
+
+    @abc.abstractmethod
+    def abort(self, transfer_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,142 @@
+"""What a decode node publishes about its registered KV buffer, and the check a prefill node
+runs against it before its first write.
+
+A descriptor names the transport, the decode node's channel address, a transport handle (a
+shared-memory segment name, a CUDA IPC handle, or nothing for zmq), and everything that must
+agree for bytes to mean the same on both sides: layout, dtype, block size, layers, KV heads,
+head dim and a model fingerprint. `num_blocks` is the decode node's own count; the prefill side
+uses it to range-check destination block ids before sending anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from engine.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
+from kvtransfer.messages import KVProtocolError
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+MAX_DESCRIPTOR_BYTES = 64 << 10
+
+
+class DescriptorMismatch(ValueError):
+    """The prefill side's KV cache cannot write into the decode side's buffer."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, candidate in DTYPE_NAMES.items():
+        if candidate == dtype:
+            return name
+    raise ValueError(f"KV transfer supports dtypes {sorted(DTYPE_NAMES)}, not {dtype}")
+
+
+@dataclass(frozen=True)
+class KVDescriptor:
+    transport: str
+    node_id: str
+    address: str
+    layout: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    model_fingerprint: str
+    handle: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_cache(
+        cls,
+        transport: str,
+        node_id: str,
+        address: str,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        model_fingerprint: str,
+        handle: dict[str, Any],
+    ) -> KVDescriptor:
+        return cls(
+            transport=transport,
+            node_id=node_id,
+            address=address,
+            layout=KV_CACHE_LAYOUT,
+            dtype=dtype_name(spec.dtype),
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            num_blocks=num_blocks,
+            model_fingerprint=model_fingerprint,
+            handle=handle,
+        )
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=DTYPE_NAMES[self.dtype],
+        )
+
+    def encode(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> KVDescriptor:
+        if len(data) > MAX_DESCRIPTOR_BYTES:
+            raise KVProtocolError(f"descriptor of {len(data):,} bytes is too large")
+        try:
+            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as error:  # noqa: BLE001 (msgpack raises several unrelated types)
+            raise KVProtocolError(f"descriptor is not msgpack: {type(error).__name__}") from None
+        names = {f.name: f.type for f in dataclasses.fields(cls)}
+        if not isinstance(fields, dict) or set(fields) != set(names):
+            raise KVProtocolError(f"a descriptor is a map with exactly the fields {sorted(names)}")
+        for name, annotation in names.items():
+            value = fields[name]
+            if annotation == "int":
+                valid = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            elif annotation == "str":
+                valid = isinstance(value, str)
+            else:
+                valid = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+            if not valid:
+                raise KVProtocolError(f"descriptor field {name} is not a valid {annotation}")
+        if fields["dtype"] not in DTYPE_NAMES:
+            raise KVProtocolError(
+                f"descriptor dtype {fields['dtype']!r} is not one of {sorted(DTYPE_NAMES)}"
+            )
+        return cls(**fields)
+
+
+def check_compatible(
+    descriptor: KVDescriptor, transport: str, spec: KVCacheSpec, model_fingerprint: str
+) -> None:
+    """Raises DescriptorMismatch naming every field that differs, with both values."""
+    local = KVDescriptor.for_cache(
+        transport, "", "", spec, descriptor.num_blocks, model_fingerprint, {}
+    )
+    compared = (
+        "transport", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
+        "model_fingerprint",
+    )
+    differences = [
+        f"{name} is {getattr(descriptor, name)!r} on decode node {descriptor.node_id!r} and "
+        f"{getattr(local, name)!r} on this prefill node"
+        for name in compared
+        if getattr(descriptor, name) != getattr(local, name)
+    ]
+    if differences:
+        raise DescriptorMismatch("KV descriptor mismatch: " + "; ".join(differences))

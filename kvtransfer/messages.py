@@ -1,0 +1,172 @@
+"""Messages on a KV transfer channel: msgpack maps with a `type` tag, nothing executable.
+
+One channel joins a prefill sender (a DEALER socket) to a decode receiver (a ROUTER socket). A
+frame sequence on it is `[header, *data]`: the header is one of the dataclasses below; only
+`Data` carries a data frame (raw KV bytes), every other message carries none.
+
+  prefill -> decode   Begin      may I write transfer T? (before its first write)
+                      Data       KV bytes of some blocks and layers of T (zmq transport)
+                      Written    those blocks and layers of T are now in your memory
+                                 (shm and cuda_ipc transports: the sender copied them itself)
+                      Abandon    the sender will never write T again (no copy of T is running)
+  decode -> prefill   Grant      yes: T's destination blocks and the seconds left before its
+                                 deadline
+                      Refuse     no: T is unknown, finished, failed or granted to another sender
+                      Ack        message `seq` was applied (frees the sender's in-flight window)
+                      Reject     message `seq` was dropped, with the reason (T fails)
+                      Committed  every block of every layer of T arrived
+                      Cancel     T failed on the decode side (deadline or abort); reply Abandon
+
+`decode_header` checks sizes and every field's type before building a message and raises
+`KVProtocolError` on anything else; receivers log and drop such frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+MAX_HEADER_BYTES = 1 << 20
+MAX_TRANSFER_ID_CHARS = 256
+
+
+class KVProtocolError(ValueError):
+    """A header that is not msgpack, not a map, of unknown type, or with ill-typed fields."""
+
+
+@dataclass(frozen=True)
+class Begin:
+    type: ClassVar[str] = "begin"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Data:
+    type: ClassVar[str] = "data"
+    transfer_id: str
+    seq: int
+    block_ids: list[int]
+    layer_start: int
+    layer_end: int
+    dtype: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Written:
+    type: ClassVar[str] = "written"
+    transfer_id: str
+    seq: int
+    block_ids: list[int]
+    layer_start: int
+    layer_end: int
+
+
+@dataclass(frozen=True)
+class Abandon:
+    type: ClassVar[str] = "abandon"
+    transfer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Grant:
+    type: ClassVar[str] = "grant"
+    transfer_id: str
+    block_ids: list[int]
+    seconds_left: float
+
+
+@dataclass(frozen=True)
+class Refuse:
+    type: ClassVar[str] = "refuse"
+    transfer_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ack:
+    type: ClassVar[str] = "ack"
+    transfer_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class Reject:
+    type: ClassVar[str] = "reject"
+    transfer_id: str
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Committed:
+    type: ClassVar[str] = "committed"
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    type: ClassVar[str] = "cancel"
+    transfer_id: str
+    reason: str
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.type: cls
+    for cls in (Begin, Data, Written, Abandon, Grant, Refuse, Ack, Reject, Committed, Cancel)
+}
+
+
+def encode_header(message: Any) -> bytes:
+    fields = dataclasses.asdict(message)
+    fields["type"] = message.type
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode_header(data: bytes | memoryview) -> Any:
+    if len(data) > MAX_HEADER_BYTES:
+        raise KVProtocolError(f"header of {len(data):,} bytes exceeds {MAX_HEADER_BYTES:,}")
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as error:  # noqa: BLE001 (msgpack raises several unrelated types)
+        raise KVProtocolError(f"header is not msgpack: {type(error).__name__}") from None
+    if not isinstance(fields, dict):
+        raise KVProtocolError(f"header is a msgpack {type(fields).__name__}, not a map")
+    cls = MESSAGE_TYPES.get(fields.pop("type", None))
+    if cls is None:
+        raise KVProtocolError("header has no known message type")
+    known = {f.name: f.type for f in dataclasses.fields(cls)}
+    if set(fields) != set(known):
+        raise KVProtocolError(
+            f"{cls.__name__} header has fields {sorted(fields)}; expected {sorted(known)}"
+        )
+    for name, annotation in known.items():
+        if not _matches(fields[name], annotation):
+            raise KVProtocolError(f"{cls.__name__}.{name} is not a valid {annotation}")
+    transfer_id = fields["transfer_id"]
+    if not transfer_id or len(transfer_id) > MAX_TRANSFER_ID_CHARS:
+        raise KVProtocolError(
+            f"transfer id has {len(transfer_id)} characters; expected 1-{MAX_TRANSFER_ID_CHARS}"
+        )
+    return cls(**fields)
+
+
+def _matches(value: Any, annotation: str) -> bool:
+    """Checks a value against this module's (string) annotations; ints must be >= 0."""
+    if annotation == "str":
+        return isinstance(value, str)
+    if annotation == "int":
+        return _is_count(value)
+    if annotation == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation == "list[int]":
+        return isinstance(value, list) and all(_is_count(v) for v in value)
+    return False
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

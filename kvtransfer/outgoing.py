@@ -1,0 +1,65 @@
+"""What a KV sender's I/O thread tracks: its configuration, each transfer it is writing, each
+queued write, and each message not yet acknowledged (see kvtransfer/sender.py for the flow)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtransfer.transports.base import WriteStep
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    """`io_thread_niceness` is added to the sender I/O thread's nice value (Linux; 0 leaves it).
+    On a CPU prefill node the forward's OpenMP workers keep every core busy for a while after
+    each parallel region, and at equal priority the scheduler ran the just-woken I/O thread and
+    the decode process first: `write` then returned only after the whole chunk was copied
+    (2.5 ms a chunk on this project's 2-core machine). At +10 it returns in 0.1 ms and the copy
+    runs behind the next chunk's forward."""
+
+    grant_timeout_s: float = 5.0
+    max_inflight_bytes: int = 64 << 20
+    step_bytes: int = 4 << 20
+    io_thread_niceness: int = 10
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.io_thread_niceness <= 19:
+            raise ValueError(f"io_thread_niceness is {self.io_thread_niceness}; expected 0-19")
+        if not 0 < self.grant_timeout_s <= 600:
+            raise ValueError(f"grant_timeout_s is {self.grant_timeout_s}; expected (0, 600] s")
+        if not (1 << 16) <= self.step_bytes <= self.max_inflight_bytes:
+            raise ValueError(
+                f"step_bytes is {self.step_bytes:,}; expected 64 KiB..max_inflight_bytes "
+                f"({self.max_inflight_bytes:,})"
+            )
+
+
+@dataclass
+class WriteJob:
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    ready: object | None
+    steps: deque[WriteStep] | None = None
+
+
+@dataclass
+class OutgoingTransfer:
+    """`deadline` is the grant wait limit until Grant arrives, then the time Begin was sent
+    plus the seconds the decode node granted: never later than the decode node's deadline."""
+
+    transfer_id: str
+    begin_sent_at: float
+    deadline: float
+    jobs: deque[WriteJob] = field(default_factory=deque)
+    granted_blocks: frozenset[int] | None = None
+    written_blocks: set[int] = field(default_factory=set)
+    unacked: set[int] = field(default_factory=set)
+
+
+@dataclass
+class InFlight:
+    transfer_id: str
+    nbytes: int
+    on_ack: Callable[[], None] | None
