@@ -1,103 +1,53 @@
-"""CLI of the colocated node: `python -m decode_node --node-id ID --listen ADDR --router ADDR`.
+"""`python -m decode_node --node-id ID --listen ADDR --router ADDR [--role decode ...]`.
 
-Loads the model (`--model` omitted means the default model), binds a PULL socket at --listen
-for Generate/Abort, connects a PUSH socket to --router for TokenBatch/RequestFailed/NodeStats,
-and serves until SIGTERM or SIGINT, then exits 0. Logs go to stderr at INFO.
+`--role colocated` (the default) prefills and decodes in one engine; `--role decode` takes
+prompts computed by prefill nodes, whose KV arrives over `--kv-transport` (shm on one host,
+zmq across hosts, cuda_ipc between GPUs of one host) at `--kv-listen`. Serves until SIGTERM or
+SIGINT, then exits 0. Logs go to stderr at INFO.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-import signal
 import sys
 
-from engine.config import EngineConfig
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__)
-    parser.add_argument("--model", default=None, help="model folder (default: default model)")
-    parser.add_argument("--node-id", required=True)
-    parser.add_argument("--listen", required=True, help="zmq address to bind, e.g. tcp://...")
-    parser.add_argument("--router", required=True, help="zmq address of the router's PULL")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument("--prefix-cache-min-blocks", type=int, default=None)
-    parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
-    args = parser.parse_args(argv)
-    if args.heartbeat_interval <= 0:
-        parser.error("--heartbeat-interval must be positive")
-    return args
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    options = {
-        name: getattr(args, name)
-        for name in (
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "kv_cache_memory",
-            "num_kv_blocks",
-            "block_size",
-            "prefix_cache_min_blocks",
-            "attention_backend",
-        )
-        if getattr(args, name) is not None
-    }
-    return EngineConfig(
-        model=args.model, enable_prefix_caching=args.enable_prefix_caching, **options
-    )
+from engine.node_cli import node_parser, run_node
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logger = logging.getLogger("decode_node")
-    signals: list[int] = []
-    node = None
+    parser = node_parser("python -m decode_node", __doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=("colocated", "decode"), default="colocated")
+    parser.add_argument("--kv-transport", default="shm", choices=("shm", "zmq", "cuda_ipc"))
+    parser.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="KV channel bind")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0, metavar="SECONDS")
+    args = parser.parse_args(argv)
 
-    def on_signal(signum: int, _frame: object) -> None:
-        signals.append(signum)
-        if node is not None:
-            node.stop()
+    def build(config):
+        if args.role == "colocated":
+            from decode_node.colocated import ColocatedNode
 
-    # Installed before the (slow) model load so an early SIGTERM still exits cleanly.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+            return ColocatedNode(
+                config,
+                args.node_id,
+                args.listen,
+                args.router,
+                args.heartbeat_interval,
+                args.advertise,
+            )
+        from decode_node.decode import DecodeNode
 
-    from decode_node.colocated import ColocatedNode
+        return DecodeNode(
+            config,
+            args.node_id,
+            args.listen,
+            args.router,
+            args.kv_transport,
+            args.kv_listen,
+            args.transfer_timeout,
+            args.heartbeat_interval,
+            args.advertise,
+        )
 
-    try:
-        config = engine_config(args)
-    except ValueError as error:
-        logger.error("invalid settings: %s", error)
-        return 2
-    logger.info("loading model %s", config.model or "(default)")
-    node = ColocatedNode(
-        config,
-        node_id=args.node_id,
-        listen_address=args.listen,
-        router_address=args.router,
-        heartbeat_interval=args.heartbeat_interval,
-    )
-    if not signals:
-        node.run()
-    logger.info("exiting on %s", signal.Signals(signals[0]).name if signals else "stop")
-    return 0
+    return run_node(args, build)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ class LLMEngine:
         params: SamplingParams,
         block_ids: list[int],
         first_token_id: int,
+        num_cached_tokens: int = 0,
     ) -> str | None:
         """Decode side: joins the running batch with the prompt's KV already in `block_ids`
         (reserved here, filled by a transfer) and its first token sampled elsewhere. Returns
@@ -197,7 +198,7 @@ class LLMEngine:
         self.held_blocks = +self.held_blocks
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = num_cached_tokens
         reason = seq.append_token(first_token_id)
         if reason is not None:
             self.block_manager.free(seq)

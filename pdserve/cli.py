@@ -115,9 +115,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.launcher import serve_colocated
+    from pdserve.launcher import serve
 
-    return serve_colocated(args)
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode need at least one node each")
+    return serve(args)
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from prefill_node.__main__ import main as prefill_main
+
+    return prefill_main(args.node_args)
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from decode_node.__main__ import main as decode_main
+
+    return decode_main(["--role", "decode", *args.node_args])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(run=cmd_chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--colocated", action="store_true", help="prefill and decode in one node")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill nodes (default 1)")
+    serve.add_argument("--decode", type=int, default=1, help="decode nodes (default 1)")
+    serve.add_argument("--threads-per-node", type=int, default=None, help="CPU threads each")
+    serve.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=("auto", "shm", "zmq", "cuda_ipc"),
+        help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm)",
+    )
     serve.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -146,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     _prefix_cache_args(serve, default_min_blocks=None)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     serve.set_defaults(run=cmd_serve)
+    for role in ("prefill", "decode"):
+        joiner = sub.add_parser(
+            role,
+            help=f"one {role} node that joins a router elsewhere (python -m {role}_node flags)",
+            add_help=False,
+        )
+        joiner.add_argument("node_args", nargs=argparse.REMAINDER)
+        joiner.set_defaults(run=cmd_prefill if role == "prefill" else cmd_decode)
     return parser
 
 

@@ -1,7 +1,11 @@
 """Starts a serving deployment as processes: one node per role and device, plus the router.
 
-Colocated mode: one `decode_node` process (prefill and decode in one engine) and one `router`
-process, wired over ZeroMQ on free loopback ports. The launcher waits until the router's
+Disaggregated (the default): `--prefill N` prefill-node processes and `--decode M` decode-node
+processes (on a GPU host one per GPU, each with its own CUDA_VISIBLE_DEVICES; on a CPU host
+each with `--threads-per-node` threads), KV moved over shm between CPU processes or CUDA IPC
+between GPUs (`--kv-transport` overrides). Colocated (`--colocated`): one `decode_node`
+process that prefills and decodes. Either way one `router` process, wired over ZeroMQ on free
+loopback ports. The launcher waits until the router's
 /health answers 200, prints the URL, forwards SIGINT/SIGTERM to its children, and stops them
 all when any one exits. On Linux each child also asks the kernel for SIGTERM when the launcher
 dies (PR_SET_PDEATHSIG), so even a `kill -9` of the launcher leaves no orphan behind.
@@ -51,8 +55,8 @@ class Deployment:
     processes: list[subprocess.Popen] = field(default_factory=list)
     before_exec: Callable[[], None] | None = field(default_factory=_parent_death_signal)
 
-    def start(self, name: str, argv: list[str]) -> None:
-        env = {**os.environ, "PDSERVE_ROLE": name}
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(env or {}), "PDSERVE_ROLE": name}
         process = subprocess.Popen(argv, env=env, preexec_fn=self.before_exec)  # noqa: PLW1509
         self.processes.append(process)
 
@@ -105,16 +109,72 @@ def _wait_ready(url: str, deployment: Deployment) -> None:
     raise RuntimeError(f"pdserve did not become ready within {READY_TIMEOUT_S:.0f} s")
 
 
-def serve_colocated(args: argparse.Namespace) -> int:
-    """Runs until interrupted; returns the exit status."""
+@dataclass
+class NodePlan:
+    name: str
+    argv: list[str]
+    address: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def choose_kv_transport(requested: str) -> str:
+    """`auto`: CUDA IPC between the GPUs of this host, shared memory between CPU processes."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda_ipc" if torch.cuda.is_available() else "shm"
+
+
+def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> list[NodePlan]:
+    """One process per node; on a GPU host each gets its own device (CUDA_VISIBLE_DEVICES), on
+    a CPU host an equal share of the cores unless `--threads-per-node` says otherwise."""
+    python = sys.executable
+    common = ["--model", model, "--router", router_address, *_engine_flags(args)]
+    if args.colocated:
+        roles = [("colocated", "decode_node", ["--role", "colocated"])]
+    else:
+        transport = choose_kv_transport(args.kv_transport)
+        roles = [("prefill", "prefill_node", ["--kv-transport", transport])] * args.prefill
+        roles += [("decode", "decode_node", ["--role", "decode", "--kv-transport", transport])] * (
+            args.decode
+        )
+    gpus = _gpu_count()
+    threads = args.threads_per_node
+    if threads is None and not gpus:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, (cores or 1) // len(roles))
+    if threads is not None:
+        common += ["--num-threads", str(threads)]
+    plans, counts = [], dict.fromkeys(("colocated", "prefill", "decode"), 0)
+    for index, (role, module, flags) in enumerate(roles):
+        node_id = f"{role}-{counts[role]}"
+        counts[role] += 1
+        address = f"tcp://127.0.0.1:{free_port()}"
+        argv = [python, "-m", module, "--node-id", node_id, "--listen", address, *common, *flags]
+        env = {"CUDA_VISIBLE_DEVICES": str(index % gpus)} if gpus else {}
+        plans.append(NodePlan(node_id, argv, address, env))
+    return plans
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Starts the nodes and the router; runs until interrupted; returns the exit status."""
     model = served_name = args.model
     if model is None:
         from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
-    node_address = f"tcp://127.0.0.1:{free_port()}"
     router_address = f"tcp://127.0.0.1:{free_port()}"
-    python = sys.executable
+    nodes = plan_nodes(args, model, router_address)
     deployment = Deployment()
     stopping = []
 
@@ -123,21 +183,32 @@ def serve_colocated(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deployment.start("node", [
-            python, "-m", "decode_node", "--model", model, "--node-id", "colocated-0",
-            "--listen", node_address, "--router", router_address, *_engine_flags(args),
-        ])
+        for node in nodes:
+            deployment.start(node.name, node.argv, node.env)
         router_argv = [
-            python, "-m", "router", "--model", model, "--served-model-name", served_name,
-            "--node", node_address,
-            "--listen", router_address, "--host", args.host, "--port", str(args.port),
+            sys.executable,
+            "-m",
+            "router",
+            "--model",
+            model,
+            "--served-model-name",
+            served_name,
+            "--listen",
+            router_address,
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
         ]
+        for node in nodes:
+            router_argv += ["--node", f"{node.name}={node.address}"]
         if args.api_key:
             router_argv += ["--api-key", args.api_key]
         deployment.start("router", router_argv)
         url = f"http://{args.host}:{args.port}"
         _wait_ready(url, deployment)
-        print(f"pdserve is serving {model} at {url}/v1", flush=True)
+        layout = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+        print(f"pdserve is serving {model} at {url}/v1 ({layout})", flush=True)
         while not stopping:
             exited = deployment.first_exited()
             if exited is not None:

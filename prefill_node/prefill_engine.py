@@ -93,6 +93,10 @@ class PrefillEngine:
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
 
+    def blocks_sent(self, request_id: str) -> int:
+        outgoing = self.outgoing.get(request_id)
+        return outgoing.num_blocks_sent if outgoing is not None else 0
+
     def release(self, request_id: str) -> None:
         """Drops the holds of a request whose transfer completed or failed (idempotent)."""
         outgoing = self.outgoing.pop(request_id, None)

@@ -46,6 +46,18 @@ _NODE_COUNTERS = (
         "KV blocks evicted from the node's prefix cache",
         "prefix_cache_evicted_blocks_total",
     ),
+    ("pdserve_kv_transfer_bytes", "KV bytes sent to decode nodes", "kv_transfer_bytes_total"),
+    (
+        "pdserve_kv_transfer_seconds",
+        "Time from a transfer's first write to its completion, summed",
+        "kv_transfer_seconds_total",
+    ),
+    ("pdserve_kv_transfer_failures", "KV transfers that failed", "kv_transfer_failures_total"),
+    (
+        "pdserve_preallocation_wait_seconds",
+        "Time requests waited for a decode node to reserve their KV blocks, summed",
+        "preallocation_wait_seconds_total",
+    ),
 )
 
 
@@ -66,9 +78,27 @@ class NodeTotalsCollector:
             "KV blocks kept by the node's prefix cache and not in use",
             labels=["node"],
         )
+        hit_ratio = GaugeMetricFamily(
+            "pdserve_prefix_cache_hit_ratio",
+            "Prompt tokens served from the node's prefix cache / prompt tokens looked up",
+            labels=["node"],
+        )
+        waiting = GaugeMetricFamily(
+            "pdserve_queue_length", "Requests waiting, by node role", labels=["role"]
+        )
+        by_role: dict[str, int] = {}
         for node, stats in self.latest.items():
             cached.add_metric([node], stats.num_cached_blocks)
+            queries = stats.prefix_cache_queries_total
+            hit_ratio.add_metric(
+                [node], stats.prefix_cache_hits_total / queries if queries else 0.0
+            )
+            by_role[stats.role] = by_role.get(stats.role, 0) + stats.num_waiting
+        for role, count in by_role.items():
+            waiting.add_metric([role], count)
         yield cached
+        yield hit_ratio
+        yield waiting
 
 
 class RouterMetrics:

@@ -1,0 +1,96 @@
+"""What every node's command line shares: engine flags, node addresses, signals, logging.
+
+`python -m decode_node` (colocated or decode) and `python -m prefill_node` build their parser
+with `node_parser`, then call `run_node(args, build)`: logging to stderr at INFO, SIGTERM and
+SIGINT handlers installed before the (slow) model load, then `build(config)` makes the node and
+`run()` serves until a signal; the exit status is 0, or 2 for invalid settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+
+_ENGINE_OPTIONS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "num_kv_blocks",
+    "block_size",
+    "prefix_cache_min_blocks",
+    "attention_backend",
+    "num_threads",
+)
+
+
+def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--model", default=None, help="model folder (default: default model)")
+    parser.add_argument("--node-id", required=True)
+    parser.add_argument("--listen", required=True, help="zmq address to bind, e.g. tcp://...")
+    parser.add_argument("--advertise", default=None, help="address others reach --listen at")
+    parser.add_argument("--router", required=True, help="zmq address of the router's PULL")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--prefix-cache-min-blocks", type=int, default=None)
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    options = {
+        name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None
+    }
+    return EngineConfig(
+        model=args.model, enable_prefix_caching=args.enable_prefix_caching, **options
+    )
+
+
+def run_node(args: argparse.Namespace, build: Callable[[EngineConfig], Any]) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logger = logging.getLogger("node")
+    if args.heartbeat_interval <= 0:
+        logger.error("--heartbeat-interval must be positive")
+        return 2
+    signals: list[int] = []
+    node = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals.append(signum)
+        if node is not None:
+            node.stop()
+
+    # Installed before the (slow) model load so an early SIGTERM still exits cleanly.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        config = engine_config(args)
+    except ValueError as error:
+        logger.error("invalid settings: %s", error)
+        return 2
+    logger.info("loading model %s", config.model or "(default)")
+    node = build(config)
+    if not signals:
+        node.run()
+    logger.info("exiting on %s", signal.Signals(signals[0]).name if signals else "stop")
+    return 0

@@ -1,0 +1,196 @@
+"""The loop every node process runs (colocated, prefill, decode), over ZeroMQ.
+
+Sockets (addresses come from the constructor; nothing is module-global):
+  PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `engine.protocol`)
+  PUSH, connected to `router_address` -> router: TokenBatch, RequestFailed, NodeStats
+  PUSH per peer address, on first use -> other nodes (PrefillRequest, PrefillDone)
+
+Loop (`run()` until `stop()`):
+  1. poll the PULL socket for up to `poll_timeout_ms()` (0 while `busy()`, else IDLE_POLL_MS),
+     so the work loop never blocks on I/O; then drain every pending message into `handle(message)`; malformed
+     messages are logged in one line (no payload echo) and dropped.
+  2. `work()`: one engine step and whatever the role does around it.
+  3. NodeStats right after startup (the "ready" signal; its listen address also registers the
+     node with a router that did not know it) and every `heartbeat_interval` seconds.
+Sends never block: messages a PUSH socket cannot take now wait in one ordered outbox and are
+retried every iteration; heartbeats are skipped while the outbox is not empty.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, ClassVar
+
+import zmq
+
+from engine.llm_engine import LLMEngine
+from engine.protocol import NodeStats, ProtocolError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
+MAX_OUTBOX = 100_000
+
+
+class NodeRuntime:
+    role: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        node_id: str,
+        listen_address: str,
+        router_address: str,
+        heartbeat_interval: float = 0.5,
+        advertise_address: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.node_id = node_id
+        self.listen_address = listen_address
+        self.advertise_address = advertise_address or listen_address
+        self.router_address = router_address
+        self.heartbeat_interval = heartbeat_interval
+        self._stop = threading.Event()
+        self._outbox: collections.deque[tuple[Any, bytes]] = collections.deque()
+        self._peers: dict[str, Any] = {}
+
+    # -- hooks for the roles -----------------------------------------------------------------
+
+    def handle(self, message: Any) -> None:
+        logger.warning("dropped an unexpected %s message", message.type)
+
+    def work(self) -> None:
+        """Called every iteration."""
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def poll_timeout_ms(self) -> int:
+        """How long the loop may wait for a message: 0 while there is work to do."""
+        return 0 if self.busy() else IDLE_POLL_MS
+
+    def stats_fields(self) -> dict[str, Any]:
+        """Role-specific NodeStats fields."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Called once when the loop ends, before the sockets close."""
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Asks `run()` to return after the current iteration (safe from signal handlers)."""
+        self._stop.set()
+
+    def run(self) -> None:
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._push = self._context.socket(zmq.PUSH)
+        try:
+            self._pull.bind(self.listen_address)
+            self._push.connect(self.router_address)
+            poller = zmq.Poller()
+            poller.register(self._pull, zmq.POLLIN)
+            logger.info(
+                "%s node %s listening on %s, sending to %s",
+                self.role,
+                self.node_id,
+                self.listen_address,
+                self.router_address,
+            )
+            self.send_stats()
+            next_heartbeat = time.monotonic() + self.heartbeat_interval
+            while not self._stop.is_set():
+                if poller.poll(self.poll_timeout_ms()):
+                    self._drain()
+                self.work()
+                self._flush()
+                if time.monotonic() >= next_heartbeat:
+                    self.send_stats()
+                    next_heartbeat = time.monotonic() + self.heartbeat_interval
+        finally:
+            self.shutdown()
+            for socket in (self._pull, self._push, *self._peers.values()):
+                socket.close(linger=0)
+            self._context.term()
+            logger.info("node %s stopped", self.node_id)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = decode(data)
+            except ProtocolError as error:
+                logger.warning("dropped a malformed message (%d bytes): %s", len(data), error)
+                continue
+            self.handle(message)
+
+    # -- outbound ----------------------------------------------------------------------------
+
+    def stats(self) -> NodeStats:
+        engine = self.engine
+        cache_stats = engine.block_manager.prefix_cache.stats
+        fields = {
+            "node_id": self.node_id,
+            "role": self.role,
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size,
+            "num_waiting": len(engine.scheduler.waiting),
+            "num_running": len(engine.scheduler.running),
+            "num_free_blocks": engine.block_manager.num_free_blocks,
+            "num_total_blocks": engine.block_manager.num_blocks,
+            "num_preemptions": engine.scheduler.num_preemptions,
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "num_cached_blocks": engine.block_manager.num_cached_blocks,
+            "prefix_cache_queries_total": cache_stats.queries,
+            "prefix_cache_hits_total": cache_stats.hits,
+            "prefix_cache_evicted_blocks_total": cache_stats.evicted_blocks,
+            "listen_address": self.advertise_address,
+            "block_size": engine.config.block_size,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        }
+        fields.update(self.stats_fields())
+        return NodeStats(**fields)
+
+    def send_stats(self) -> None:
+        """Heartbeats are droppable: skipped while results wait, dropped if the pipe is full."""
+        if self._outbox:
+            return
+        try:
+            self._push.send(encode(self.stats()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def send(self, message: Any, address: str | None = None) -> None:
+        """Sends to the router (or to the node at `address`); never dropped, kept in order."""
+        socket = self._push if address is None else self._peer(address)
+        if len(self._outbox) >= MAX_OUTBOX:
+            self._outbox.popleft()
+            logger.error("outbox full (a peer unreachable?): dropped the oldest message")
+        self._outbox.append((socket, encode(message)))
+        self._flush()
+
+    def _peer(self, address: str) -> Any:
+        socket = self._peers.get(address)
+        if socket is None:
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self._peers[address] = socket
+        return socket
+
+    def _flush(self) -> None:
+        while self._outbox:
+            socket, data = self._outbox[0]
+            try:
+                socket.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()

@@ -1,0 +1,210 @@
+"""The prefill node: chunked prefill against its radix prefix cache, KV blocks written straight
+into the decode node's reserved blocks, the first token to the router at once.
+
+Lifecycle of a request (the loop is node_runtime.py's):
+  PrefillRequest  from a decode node, which already reserved `dst_block_ids` and expects the
+                  transfer until `deadline_s` from now. The node connects a KV sender to that
+                  decode node on first contact (a descriptor mismatch fails the request with a
+                  message naming both values) and queues the prompt (prefill_engine.py).
+  each step       the blocks each chunk completed are written at once (the copy overlaps the
+                  next chunk).
+  first token     to the router as a TokenUpdate with offset 0, and PrefillDone to the decode
+                  node; the prompt's blocks stay in the prefix cache.
+  transfer event  COMPLETE or FAILED from the sender: the written source blocks are released;
+                  on FAILED the router gets RequestFailed 503 naming the request.
+  Abort           from the router: the request ends here and its transfer is aborted.
+Requests the decode node stops waiting for end at its deadline on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.node_runtime import NodeRuntime
+from engine.protocol import (
+    Abort,
+    PrefillDone,
+    PrefillRequest,
+    RequestFailed,
+    TokenBatch,
+    TokenUpdate,
+)
+from engine.sampling_params import SamplingParams
+from kvtransfer import ChannelSender, KVDescriptor, KVSender, TransferKind
+from kvtransfer.fingerprint import model_fingerprint
+from prefill_node.prefill_engine import FirstToken, PrefillEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    sender: KVSender
+    decode_address: str
+    num_prompt_tokens: int
+    aborted: bool = False
+    first_write_at: float | None = None
+
+
+class PrefillNode(NodeRuntime):
+    role = "prefill"
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        node_id: str,
+        listen_address: str,
+        router_address: str,
+        transport: str,
+        heartbeat_interval: float = 0.5,
+        advertise_address: str | None = None,
+    ) -> None:
+        super().__init__(
+            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address
+        )
+        self.transport = transport
+        self.fingerprint = model_fingerprint(engine.model_config)
+        self.prefill = PrefillEngine(engine, self._write)
+        self.senders: dict[str, KVSender] = {}
+        self.requests: dict[str, _Request] = {}
+        self.transfer_failures = 0
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+
+    def stats_fields(self) -> dict[str, Any]:
+        return {
+            "model_fingerprint": self.fingerprint,
+            "kv_transfer_failures_total": self.transfer_failures,
+            "kv_transfer_bytes_total": self.transfer_bytes,
+            "kv_transfer_seconds_total": self.transfer_seconds,
+        }
+
+    def busy(self) -> bool:
+        return self.prefill.has_work() or bool(self.requests)
+
+    # -- inbound ---------------------------------------------------------------------------
+
+    def handle(self, message: Any) -> None:
+        if isinstance(message, PrefillRequest):
+            self._admit(message)
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+        else:
+            super().handle(message)
+
+    def _admit(self, message: PrefillRequest) -> None:
+        request_id = message.request_id
+        try:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            sender = self._sender(KVDescriptor.decode(message.kv_descriptor))
+            params = SamplingParams(**message.sampling)
+            self.prefill.add(request_id, message.prompt_token_ids, params, message.dst_block_ids)
+        except (ValueError, TypeError) as error:
+            logger.info("rejected prefill of %s: %s", request_id, error)
+            self.send(RequestFailed(request_id, str(error), 400))
+            return
+        self.requests[request_id] = _Request(
+            sender, message.decode_address, len(message.prompt_token_ids)
+        )
+        logger.info("prefilling %s (%d tokens)", request_id, len(message.prompt_token_ids))
+
+    def _sender(self, descriptor: KVDescriptor) -> KVSender:
+        key = f"{descriptor.node_id}@{descriptor.address}"
+        sender = self.senders.get(key)
+        if sender is None:
+            sender = ChannelSender(self.transport)
+            sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
+            self.senders[key] = sender
+        return sender
+
+    def _abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        self.prefill.abort(request_id)
+        request.aborted = True
+        if self.prefill.blocks_sent(request_id):
+            request.sender.abort(request_id)  # its FAILED event releases the blocks
+        else:
+            self._finish(request_id)
+        logger.info("aborted prefill of %s", request_id)
+
+    def _write(self, request_id: str, src: list[int], dst: list[int]) -> None:
+        request = self.requests[request_id]
+        if request.first_write_at is None:
+            request.first_write_at = time.monotonic()
+        request.sender.write(request_id, src, dst)
+        self.transfer_bytes += len(src) * self.engine.runner.kv_cache.spec.bytes_per_block
+
+    # -- work --------------------------------------------------------------------------------
+
+    def work(self) -> None:
+        if self.prefill.has_work():
+            try:
+                firsts = self.prefill.step()
+            except Exception:  # fail the requests, keep the node
+                logger.exception("prefill step failed")
+                for request_id in list(self.requests):
+                    self._fail(request_id, "engine error while prefilling", 500)
+                return
+            for first in firsts:
+                self._first_token(first)
+        for sender in self.senders.values():
+            for event in sender.poll():
+                request = self.requests.get(event.transfer_id)
+                if request is None:
+                    continue
+                if event.kind is TransferKind.FAILED and not request.aborted:
+                    self.transfer_failures += 1
+                    self.send(
+                        RequestFailed(event.transfer_id, event.error or "KV transfer failed", 503)
+                    )
+                    self.prefill.abort(event.transfer_id)
+                elif event.kind is TransferKind.COMPLETE and request.first_write_at is not None:
+                    self.transfer_seconds += time.monotonic() - request.first_write_at
+                self._finish(event.transfer_id)
+
+    def _first_token(self, first: FirstToken) -> None:
+        request = self.requests.get(first.request_id)
+        if request is None:
+            return
+        logprobs = None
+        if first.logprobs is not None:
+            lp = first.logprobs
+            logprobs = [[lp.token_id, lp.logprob, [[t, v] for t, v in lp.top]]]
+        update = TokenUpdate(
+            first.request_id,
+            [first.token_id],
+            None,
+            request.num_prompt_tokens,
+            logprobs,
+            first.num_cached_tokens,
+            offset=0,
+        )
+        self.send(TokenBatch(self.node_id, [update]))
+        self.send(
+            PrefillDone(first.request_id, first.token_id, logprobs, first.num_cached_tokens),
+            request.decode_address,
+        )
+
+    def _fail(self, request_id: str, message: str, status: int) -> None:
+        """Ends a request with an error to the router; its blocks are released now when no
+        write of it can still be in flight, else when its transfer's FAILED event comes."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        self.send(RequestFailed(request_id, message, status))
+        self._abort(request_id)
+
+    def _finish(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.prefill.release(request_id)
+
+    def shutdown(self) -> None:
+        for sender in self.senders.values():
+            sender.close()

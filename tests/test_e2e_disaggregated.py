@@ -1,0 +1,214 @@
+"""End to end through the router, real processes: disaggregated serving (prefill nodes and
+decode nodes, KV over shared memory) gives the same greedy text as colocated serving, for 32
+concurrent requests with shared prefixes and different lengths under chunked prefill, with
+1P1D and 2P2D; every node's KV blocks are all free afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.launcher import free_port
+
+SERVE_FLAGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20)]
+
+
+class Server:
+    def __init__(self, model_dir, *layout: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(self.port),
+                *SERVE_FLAGS,
+                *layout,
+            ],
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, "pdserve serve exited during start-up"
+            assert time.monotonic() < deadline, "pdserve serve did not become ready"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+
+    def metric_by_node(self, name: str) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return {
+            sample.labels.get("node", ""): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name
+        }
+
+    def wait_all_blocks_free(self) -> None:
+        deadline = time.monotonic() + 10
+        while any(self.metric_by_node("pdserve_kv_cache_usage_ratio").values()):
+            assert time.monotonic() < deadline, "KV blocks were not all freed"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def requests_with_shared_prefixes(count: int = 32) -> list[dict]:
+    rng = random.Random(11)
+    systems = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 70, 17)]
+    bodies = []
+    for i in range(count):
+        prompt = rng.choice(systems) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 60))]
+        bodies.append(
+            {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": rng.randrange(1, 24),
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+        )
+    return bodies
+
+
+def run_concurrently(url: str, bodies: list[dict]) -> list[tuple[str, int]]:
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            models = (await http.get("/v1/models")).json()["data"]
+
+            async def one(body):
+                response = await http.post(
+                    "/v1/completions", json={**body, "model": models[0]["id"]}
+                )
+                assert response.status_code == 200, response.text
+                data = response.json()
+                return data["choices"][0]["text"], data["usage"]["completion_tokens"]
+
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def colocated_answers(tiny_llama_dir):
+    server = Server(tiny_llama_dir, "--colocated")
+    try:
+        answers = run_concurrently(server.url, requests_with_shared_prefixes())
+        server.wait_all_blocks_free()
+        return answers
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("layout", [("1", "1"), ("2", "2")], ids=["1P1D", "2P2D"])
+def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answers, layout):
+    server = Server(tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1])
+    try:
+        nodes = server.metric_by_node("pdserve_kv_cache_usage_ratio")
+        assert sorted(nodes) == sorted(
+            [f"prefill-{i}" for i in range(int(layout[0]))]
+            + [f"decode-{i}" for i in range(int(layout[1]))]
+        )
+        answers = run_concurrently(server.url, requests_with_shared_prefixes())
+        assert answers == colocated_answers
+        server.wait_all_blocks_free()
+        hits = server.metric_by_node("pdserve_prefix_cache_hits_total")
+        assert sum(v for node, v in hits.items() if node.startswith("prefill")) > 0
+    finally:
+        server.close()
+
+
+@pytest.mark.default_model
+def test_default_model_disaggregated_chat_equals_colocated(pdserve_server, default_model_dir):
+    """`pdserve serve` (1 prefill + 1 decode, the default) against a colocated server."""
+    questions = [
+        "What is the capital of France?",
+        "Name three colours.",
+        "Count to five.",
+        "Write a haiku about the sea.",
+        "What is 2 + 2?",
+        "Say hello in Spanish.",
+    ]
+    bodies = [
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": q},
+            ],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        for q in questions * 2
+    ]
+
+    def answers(url: str) -> list[str]:
+        async def main():
+            async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+                name = (await http.get("/v1/models")).json()["data"][0]["id"]
+
+                async def one(body):
+                    r = await http.post("/v1/chat/completions", json={**body, "model": name})
+                    assert r.status_code == 200, r.text
+                    return r.json()["choices"][0]["message"]["content"]
+
+                return await asyncio.gather(*(one(b) for b in bodies))
+
+        return asyncio.run(main())
+
+    colocated = Server(default_model_dir, "--colocated")
+    try:
+        expected = answers(colocated.url)
+    finally:
+        colocated.close()
+    assert answers(pdserve_server) == expected
+    assert "Paris" in expected[0]
+
+
+def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(tiny_llama_dir):
+    rng = random.Random(4)
+    systems = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(4)]
+    server = Server(tiny_llama_dir, "--prefill", "2", "--decode", "1")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            name = http.get("/v1/models").json()["data"][0]["id"]
+            for _ in range(5):
+                for system in systems:
+                    prompt = system + [rng.randrange(3, 500) for _ in range(8)]
+                    body = {"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+                    assert http.post("/v1/completions", json=body).status_code == 200
+        server.wait_all_blocks_free()
+        deadline = time.monotonic() + 5
+        ideal = 4 * 4 * 64  # every request after a prompt's first reuses its 64 tokens
+        while True:
+            hits = server.metric_by_node("pdserve_prefix_cache_hits_total")
+            queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
+            prefill_hits = sum(v for n, v in hits.items() if n.startswith("prefill"))
+            if prefill_hits >= 0.9 * ideal or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert prefill_hits >= 0.9 * ideal
+        assert queries["prefill-0"] > 0 and queries["prefill-1"] > 0, "one node got everything"
+    finally:
+        server.close()
