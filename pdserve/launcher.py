@@ -148,7 +148,8 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
         common += ["--num-threads", str(threads)]
     plans, counts = [], dict.fromkeys(("colocated", "prefill", "decode"), 0)
     for index, (role, module, flags) in enumerate(roles):
-        node_id = f"{role}-{counts[role]}"
+        # Unique per deployment on this host: shared-memory segments are named by node id.
+        node_id = f"{role}-{counts[role]}.{args.port}"
         counts[role] += 1
         address = f"tcp://127.0.0.1:{free_port()}"
         argv = [python, "-m", module, "--node-id", node_id, "--listen", address, *common, *flags]

@@ -60,6 +60,7 @@ class Server:
         }
 
     def wait_all_blocks_free(self) -> None:
+        time.sleep(1.0)  # two heartbeats: no stats from before the requests remain
         deadline = time.monotonic() + 10
         while any(self.metric_by_node("pdserve_kv_cache_usage_ratio").values()):
             assert time.monotonic() < deadline, "KV blocks were not all freed"
@@ -127,14 +128,14 @@ def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answ
     try:
         nodes = server.metric_by_node("pdserve_kv_cache_usage_ratio")
         assert sorted(nodes) == sorted(
-            [f"prefill-{i}" for i in range(int(layout[0]))]
-            + [f"decode-{i}" for i in range(int(layout[1]))]
+            [f"prefill-{i}.{server.port}" for i in range(int(layout[0]))]
+            + [f"decode-{i}.{server.port}" for i in range(int(layout[1]))]
         )
         answers = run_concurrently(server.url, requests_with_shared_prefixes())
         assert answers == colocated_answers
         server.wait_all_blocks_free()
         hits = server.metric_by_node("pdserve_prefix_cache_hits_total")
-        assert sum(v for node, v in hits.items() if node.startswith("prefill")) > 0
+        assert sum(v for node, v in hits.items() if node.startswith("prefill")) > 0, hits
     finally:
         server.close()
 
@@ -209,6 +210,7 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(
                 break
             time.sleep(0.3)
         assert prefill_hits >= 0.9 * ideal
-        assert queries["prefill-0"] > 0 and queries["prefill-1"] > 0, "one node got everything"
+        prefill_queries = [v for n, v in queries.items() if n.startswith("prefill")]
+        assert len(prefill_queries) == 2 and min(prefill_queries) > 0, "one node got everything"
     finally:
         server.close()

@@ -45,7 +45,7 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
         assert f"http://127.0.0.1:{port}/v1" in ready_line
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
         children = children_of(launcher.pid)
-        assert len(children) == 2
+        assert len(children) == 3  # a prefill node, a decode node, the router
         launcher.send_signal(signum)
         assert launcher.wait(30) == (-signal.SIGKILL if signum == signal.SIGKILL else 0)
         deadline = time.monotonic() + 5
