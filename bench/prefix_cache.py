@@ -157,10 +157,10 @@ def run_chat(engines, source: TokenSource, args) -> tuple[dict, dict]:
 
 
 def run_overhead(engines, source: TokenSource, args) -> dict[str, float]:
-    arrivals = distinct_arrivals(source, args.distinct_requests, (64, 384), 32)
     wall: dict[bool, list[float]] = {False: [], True: []}
     cache_share = []
     for _ in range(args.overhead_repeats):
+        arrivals = distinct_arrivals(source, args.distinct_requests, (64, 384), 32)
         for on, engine in engines.items():
             engine.reset()
             records = drive(engine.engine, arrivals)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.quick:
         args.output.write_text(text)
-        say(f"wrote {args.output}")
+        say(f"wrote {args.output.name}")
 
 
 if __name__ == "__main__":

@@ -111,8 +111,9 @@ CHAT_SETUP = (
     "whole history."
 )
 OVERHEAD_SETUP = (
-    "{requests} distinct prompts of 64-384 tokens, 32-token answers, all at once; off and on "
-    "alternated {repeats}x. Wall time on two shared cores moves by a few percent from run to "
+    "{requests} distinct prompts of 64-384 tokens, 32-token answers, all at once, new prompts "
+    "for every repetition (the same for off and on within one); off and on alternated "
+    "{repeats}x. Wall time on two shared cores moves by a few percent from run to "
     "run, so the time spent inside the prefix-cache operations (match, insert, evict) is also "
     "measured directly."
 )
