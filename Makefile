@@ -24,6 +24,7 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.offline
 
 clean:

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode", type=int, default=1, help="decode nodes (default 1)")
     serve.add_argument("--threads-per-node", type=int, default=None, help="CPU threads each")
     serve.add_argument(
+        "--router-listen", default=None, help="the router's ZeroMQ address for node messages"
+    )
+    serve.add_argument(
         "--kv-transport",
         default="auto",
         choices=("auto", "shm", "zmq", "cuda_ipc"),
@@ -182,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("prefill", "decode"):  # every later flag belongs to the node
+        return (cmd_prefill if argv[0] == "prefill" else cmd_decode)(
+            argparse.Namespace(node_args=argv[1:])
+        )
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -94,10 +94,11 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _wait_ready(url: str, deployment: Deployment) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def wait_healthy(url: str, exited: Callable[[], bool], timeout_s: float) -> None:
+    """Returns once `url`/health answers 200; RuntimeError if `exited()` or on timeout."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if deployment.first_exited() is not None:
+        if exited():
             raise RuntimeError("a pdserve process exited during start-up")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
@@ -106,7 +107,7 @@ def _wait_ready(url: str, deployment: Deployment) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.25)
-    raise RuntimeError(f"pdserve did not become ready within {READY_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"pdserve did not become ready within {timeout_s:.0f} s")
 
 
 @dataclass
@@ -174,7 +175,7 @@ def serve(args: argparse.Namespace) -> int:
         from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
-    router_address = f"tcp://127.0.0.1:{free_port()}"
+    router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"
     nodes = plan_nodes(args, model, router_address)
     deployment = Deployment()
     stopping = []
@@ -207,9 +208,10 @@ def serve(args: argparse.Namespace) -> int:
             router_argv += ["--api-key", args.api_key]
         deployment.start("router", router_argv)
         url = f"http://{args.host}:{args.port}"
-        _wait_ready(url, deployment)
+        wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
         layout = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(f"pdserve is serving {model} at {url}/v1 ({layout})", flush=True)
+        print(f"nodes started elsewhere join with --router {router_address}", flush=True)
         while not stopping:
             exited = deployment.first_exited()
             if exited is not None:

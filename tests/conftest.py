@@ -52,38 +52,15 @@ def clean_tiny_llm(tiny_llm):
 
 @pytest.fixture(scope="session")
 def pdserve_server(default_model_dir):
-    """`pdserve serve` on the default model (router + colocated node), as real processes."""
-    import signal
-    import subprocess
-    import sys
-    import time
+    """`pdserve serve` on the default model (router, prefill node, decode node), as real
+    processes."""
+    from pdserve.serve_process import ServeProcess
 
-    import httpx
-
-    from pdserve.launcher import free_port
-
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(default_model_dir),
-         "--port", str(port), "--kv-cache-memory", str(256 << 20)],
+    server = ServeProcess(
+        ["--model", str(default_model_dir), "--kv-cache-memory", str(256 << 20)],
+        ready_timeout_s=240,
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
     try:
-        while True:
-            assert process.poll() is None, "pdserve serve exited during start-up"
-            assert time.monotonic() < deadline, "pdserve serve did not become ready"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
+        yield server.url
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        server.close()

@@ -93,3 +93,19 @@ def test_reserved_blocks_return_when_released(tiny_llama_dir):
     decode.check_integrity()
     decode.release_blocks(reserved)
     check_clean(decode)
+
+
+def test_a_preempted_disaggregated_request_recomputes_locally_with_identical_tokens(
+    tiny_llama_dir, prompts
+):
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
+    params_list = [params] * len(prompts)
+    expected = [o.token_ids for o in LLM(str(tiny_llama_dir)).generate(prompts, params_list)]
+    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    longest = -(-(max(len(p) for p in prompts) + 40) // 16)
+    decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=longest + 8))
+    tokens, _ = disaggregated_generate(prefill, decode, prompts[:3] + prompts[-1:], params_list)
+    assert tokens == expected[:3] + expected[-1:]
+    assert decode.scheduler.num_preemptions > 0
+    check_clean(prefill)
+    check_clean(decode)

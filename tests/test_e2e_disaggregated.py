@@ -17,38 +17,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import free_port
+from pdserve.serve_process import ServeProcess
 
 SERVE_FLAGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20)]
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, model_dir, *layout: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "serve",
-                "--model",
-                str(model_dir),
-                "--port",
-                str(self.port),
-                *SERVE_FLAGS,
-                *layout,
-            ],
-        )
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.process.poll() is None, "pdserve serve exited during start-up"
-            assert time.monotonic() < deadline, "pdserve serve did not become ready"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        super().__init__(["--model", str(model_dir), *SERVE_FLAGS, *layout], ready_timeout_s=120)
 
     def metric_by_node(self, name: str) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
@@ -65,14 +41,6 @@ class Server:
         while any(self.metric_by_node("pdserve_kv_cache_usage_ratio").values()):
             assert time.monotonic() < deadline, "KV blocks were not all freed"
             time.sleep(0.2)
-
-    def close(self) -> None:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 def requests_with_shared_prefixes(count: int = 32) -> list[dict]:
@@ -142,7 +110,8 @@ def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answ
 
 @pytest.mark.default_model
 def test_default_model_disaggregated_chat_equals_colocated(pdserve_server, default_model_dir):
-    """`pdserve serve` (1 prefill + 1 decode, the default) against a colocated server."""
+    """`pdserve serve` (1 prefill + 1 decode, the default) and 2 prefill + 2 decode against a
+    colocated server (which prefills in 32-token chunks)."""
     questions = [
         "What is the capital of France?",
         "Name three colours.",
@@ -183,8 +152,14 @@ def test_default_model_disaggregated_chat_equals_colocated(pdserve_server, defau
         expected = answers(colocated.url)
     finally:
         colocated.close()
-    assert answers(pdserve_server) == expected
     assert "Paris" in expected[0]
+    assert answers(pdserve_server) == expected
+    two_by_two = Server(default_model_dir, "--prefill", "2", "--decode", "2")
+    try:
+        assert answers(two_by_two.url) == expected
+        two_by_two.wait_all_blocks_free()
+    finally:
+        two_by_two.close()
 
 
 def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(tiny_llama_dir):
@@ -213,4 +188,45 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(
         prefill_queries = [v for n, v in queries.items() if n.startswith("prefill")]
         assert len(prefill_queries) == 2 and min(prefill_queries) > 0, "one node got everything"
     finally:
+        server.close()
+
+
+def test_a_prefill_node_started_alone_joins_the_router_and_serves(tiny_llama_dir):
+    router_address = f"tcp://127.0.0.1:{free_port()}"
+    server = Server(tiny_llama_dir, "--router-listen", router_address)
+    joiner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "prefill",
+            "--model",
+            str(tiny_llama_dir),
+            "--node-id",
+            "joiner",
+            "--listen",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--router",
+            router_address,
+            "--kv-cache-memory",
+            str(32 << 20),
+        ],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while "joiner" not in server.metric_by_node("pdserve_num_requests_waiting"):
+            assert joiner.poll() is None and time.monotonic() < deadline, "the node never joined"
+            time.sleep(0.3)
+        answers = run_concurrently(server.url, requests_with_shared_prefixes(8))
+        assert all(tokens > 0 for _, tokens in answers)
+        queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
+        deadline = time.monotonic() + 5
+        while queries.get("joiner", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
+        assert queries["joiner"] > 0, "the joined prefill node got no request"
+        server.wait_all_blocks_free()
+    finally:
+        joiner.send_signal(signal.SIGINT)
+        joiner.wait(30)
         server.close()

@@ -1,0 +1,37 @@
+"""`pdserve serve` as a child process, for tests and benchmarks: constructed ready, closed
+with SIGINT (SIGKILL after 30 s)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from pdserve.launcher import free_port, wait_healthy
+
+
+class ServeProcess:
+    def __init__(self, flags: list[str], ready_timeout_s: float = 300.0, quiet: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        output = subprocess.DEVNULL if quiet else None
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *flags],
+            stdout=output,
+            stderr=output,
+        )
+        try:
+            wait_healthy(self.url, lambda: self.process.poll() is not None, ready_timeout_s)
+        except RuntimeError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
