@@ -37,7 +37,7 @@ def rate_table(colocated: dict, disaggregated: dict) -> str:
         ]
     ]
     for metric, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL")):
-        for q in ("mean", "p50", "p90", "p99"):
+        for q in ("mean", "p50", "p90", "p99", "max"):
             rows.append(_row(f"{label} {q} (s)", f"{metric}_{q}", colocated, disaggregated))
     rows.append(_row("output throughput (tok/s)", "throughput_tok_s", colocated, disaggregated))
     rows.append(_row("goodput (requests/s in SLO)", "goodput", colocated, disaggregated))

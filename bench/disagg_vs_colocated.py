@@ -32,7 +32,7 @@ MODES = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.disagg_vs_colocated")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
-    parser.add_argument("--rates", default="0.1,0.2,0.4", help="requests/s, comma-separated")
+    parser.add_argument("--rates", default="0.2,0.4,0.8", help="requests/s, comma-separated")
     parser.add_argument("--requests", type=int, default=16, help="per rate")
     parser.add_argument("--long-fraction", type=float, default=0.3)
     parser.add_argument("--slo-ttft", type=float, default=10.0, help="seconds")

@@ -117,4 +117,5 @@ def summarize(
         out[f"{name}_mean"] = statistics.fmean(values) if values else float("nan")
         for q in (50, 90, 99):
             out[f"{name}_p{q}"] = percentile(values, q)
+        out[f"{name}_max"] = max(values, default=float("nan"))
     return out
