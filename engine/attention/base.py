@@ -17,6 +17,17 @@ from engine.batch import FlatBatch
 from engine.kv_cache import KVCache
 
 
+def count_leading_decodes(batch: FlatBatch) -> int:
+    """How many sequences at the start of the batch decode (query length 1); the model runner
+    puts every decode first, and a decode after a prefill chunk is an error."""
+    num_decodes = 0
+    while num_decodes < batch.num_seqs and batch.query_len(num_decodes) == 1:
+        num_decodes += 1
+    if any(batch.query_len(i) == 1 for i in range(num_decodes, batch.num_seqs)):
+        raise ValueError("decode tokens (query length 1) must come first in the flat batch")
+    return num_decodes
+
+
 class AttentionBackend(ABC):
     def __init__(
         self,

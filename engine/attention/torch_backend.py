@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, count_leading_decodes
 from engine.batch import FlatBatch
 
 
@@ -65,11 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, batch: FlatBatch) -> TorchAttentionMetadata:
         device = batch.input_ids.device
         block_size = self.kv_cache.spec.block_size
-        num_decodes = 0
-        while num_decodes < batch.num_seqs and batch.query_len(num_decodes) == 1:
-            num_decodes += 1
-        if any(batch.query_len(i) == 1 for i in range(num_decodes, batch.num_seqs)):
-            raise ValueError("decode tokens (query length 1) must come first in the flat batch")
+        num_decodes = count_leading_decodes(batch)
         block_counts = [-(-n // block_size) for n in batch.seq_lens]
         decode = self._decode_blocks(batch, num_decodes, block_counts) if num_decodes else None
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, count_leading_decodes
 from engine.batch import FlatBatch
 from engine.kv_cache import KVCache
 from kernels.decode_attention import SplitPlan, decode_attention, plan_splits
@@ -74,11 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, batch: FlatBatch) -> TritonAttentionMetadata:
         device = batch.input_ids.device
         block_size = self.kv_cache.spec.block_size
-        num_decodes = 0
-        while num_decodes < batch.num_seqs and batch.query_len(num_decodes) == 1:
-            num_decodes += 1
-        if any(batch.query_len(i) == 1 for i in range(num_decodes, batch.num_seqs)):
-            raise ValueError("decode tokens (query length 1) must come first in the flat batch")
+        num_decodes = count_leading_decodes(batch)
 
         used_blocks = [-(-n // block_size) for n in batch.seq_lens]
         width = max(used_blocks, default=0) or 1
