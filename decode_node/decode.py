@@ -12,7 +12,10 @@ once, kvtransfer/base.py). Lifecycle of a disaggregated request (Generate with a
                       partial transfer.
   failed              FAILED (deadline, sender gone, aborted): the router gets RequestFailed
                       503 unless it aborted the request itself; the blocks return to the engine
-                      only at RELEASED, when no late write can land in them any more.
+                      only at RELEASED, when no late write can land in them any more. A
+                      committed transfer whose first token does not come within
+                      `transfer_timeout_s` of arrival fails too; aborting a committed
+                      transfer returns its blocks at once (nothing can write them).
   running             as in a colocated node, tokens streamed from offset 1 (the prefill node
                       sent offset 0). A preempted request recomputes locally.
 """
@@ -138,9 +141,16 @@ class DecodeNode(ColocatedNode):
         if pending.block_ids is None:
             self.waiting_for_blocks.remove(request_id)
             del self.pending[request_id]
+        elif pending.complete:
+            self._drop_complete(request_id)
         else:
             self.receiver.abort(request_id)  # its blocks come back at RELEASED
         logger.info("aborted request %s before it joined the batch", request_id)
+
+    def _drop_complete(self, request_id: str) -> None:
+        """A committed transfer has no writer left: its blocks can return at once."""
+        pending = self.pending.pop(request_id)
+        self.engine.release_blocks(pending.block_ids)
 
     # -- work --------------------------------------------------------------------------------
 
@@ -148,7 +158,18 @@ class DecodeNode(ColocatedNode):
         self._reserve_blocks()
         for event in self.receiver.poll():
             self._on_transfer_event(event)
+        self._expire_first_tokens()
         super().work()
+
+    def _expire_first_tokens(self) -> None:
+        """A committed transfer whose first token never came (the prefill node died after
+        writing) fails once `transfer_timeout_s` has passed since the request arrived."""
+        now = time.monotonic()
+        for request_id, pending in list(self.pending.items()):
+            late = now - pending.arrived > self.transfer_timeout_s
+            if pending.complete and pending.first is None and late:
+                self._drop_complete(request_id)
+                self._fail(request_id, f"no first token for request {request_id} in time")
 
     def _reserve_blocks(self) -> None:
         now = time.monotonic()
