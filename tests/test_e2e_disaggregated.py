@@ -90,9 +90,13 @@ def colocated_answers(tiny_llama_dir):
         server.close()
 
 
-@pytest.mark.parametrize("layout", [("1", "1"), ("2", "2")], ids=["1P1D", "2P2D"])
+@pytest.mark.parametrize(
+    "layout", [("1", "1", "shm"), ("2", "2", "shm"), ("1", "1", "zmq")], ids=["1P1D", "2P2D", "zmq"]
+)
 def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answers, layout):
-    server = Server(tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1])
+    server = Server(
+        tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1], "--kv-transport", layout[2]
+    )
     try:
         nodes = server.metric_by_node("pdserve_kv_cache_usage_ratio")
         assert sorted(nodes) == sorted(
