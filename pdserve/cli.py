@@ -122,6 +122,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.plan import parse_bytes, plan_capacity, render_json, render_table, resolve_shape
+
+    plan = plan_capacity(
+        resolve_shape(args.model),
+        args.dtype,
+        parse_bytes(args.memory),
+        args.reserve,
+        [int(n) for n in args.seq_lens.split(",")],
+        args.block_size,
+    )
+    print(render_json(plan) if args.json else render_table(plan))
+    return 0
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
     from prefill_node.__main__ import main as prefill_main
 
@@ -172,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     _prefix_cache_args(serve, default_min_blocks=None)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     serve.set_defaults(run=cmd_serve)
+    plan = sub.add_parser("plan", help="KV cache size and maximum concurrency for a model")
+    plan.add_argument("--model", required=True, help="a model folder or a known name")
+    plan.add_argument("--dtype", default="bf16", help="KV and weight dtype (default bf16)")
+    plan.add_argument("--memory", default="80GiB", help="device memory, e.g. 80GiB")
+    plan.add_argument("--reserve", type=float, default=0.1, help="fraction kept free")
+    plan.add_argument("--seq-lens", default="1024,8192,32768", help="tokens per sequence")
+    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.set_defaults(run=cmd_plan)
     for role in ("prefill", "decode"):
         joiner = sub.add_parser(
             role,

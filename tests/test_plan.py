@@ -1,0 +1,62 @@
+"""`pdserve plan`: KV bytes per token and per sequence, weights from shapes, concurrency."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.plan import KNOWN_MODELS, parse_bytes, plan_capacity, resolve_shape
+
+
+def test_llama_3_8b_needs_128_kib_per_token_in_bf16():
+    plan = plan_capacity(resolve_shape("llama-3-8b"), "bf16", 80 << 30, 0.1, [4096, 8192])
+    assert plan.kv_bytes_per_token == 128 << 10
+    assert [s.kv_bytes for s in plan.sequences] == [512 << 20, 1 << 30]
+    assert round(KNOWN_MODELS["llama-3-8b"].num_parameters / 1e9, 2) == 8.03
+
+
+def test_parameter_counts_match_the_published_sizes():
+    published = {"llama-3-70b": 70.55e9, "qwen2.5-7b": 7.62e9, "smollm2-135m": 134.5e6}
+    for name, count in published.items():
+        assert KNOWN_MODELS[name].num_parameters == pytest.approx(count, rel=0.01), name
+
+
+def test_concurrency_is_the_budget_over_whole_blocks_per_sequence():
+    shape = KNOWN_MODELS["smollm2-135m"]
+    plan = plan_capacity(shape, "fp32", 2 << 30, 0.25, [1, 16, 17], block_size=16)
+    per_token = 2 * 30 * 3 * 64 * 4
+    budget = (2 << 30) - shape.num_parameters * 4 - (2 << 30) // 4
+    assert plan.kv_bytes_per_token == per_token == 46080
+    assert [s.kv_bytes for s in plan.sequences] == [16 * per_token, 16 * per_token, 32 * per_token]
+    assert [s.max_concurrency for s in plan.sequences] == [
+        budget // (16 * per_token), budget // (16 * per_token), budget // (32 * per_token)
+    ]
+
+
+def test_a_model_folder_is_read_from_its_config(tiny_llama_dir):
+    shape = resolve_shape(str(tiny_llama_dir))
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert shape.num_layers == config["num_hidden_layers"]
+    assert shape.num_kv_heads == config["num_key_value_heads"]
+
+
+def test_bad_names_and_sizes_are_refused():
+    with pytest.raises(ValueError, match="known"):
+        resolve_shape("gpt-7")
+    with pytest.raises(ValueError, match="dtype"):
+        plan_capacity(KNOWN_MODELS["llama-3-8b"], "int3", 1 << 30, 0.1, [16])
+    assert parse_bytes("80GiB") == 80 << 30 and parse_bytes("16GB") == 16 * 10**9
+    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+
+
+def test_the_command_prints_json_with_kv_bytes_per_token():
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "plan", "--model", "llama-3-8b", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    data = json.loads(out.stdout)
+    assert data["kv_bytes_per_token"] == 131072
+    assert {s["tokens"]: s["kv_bytes"] for s in data["sequences"]}[8192] == 1 << 30
