@@ -106,8 +106,9 @@ def run_continuous(
             continue
         for scheduled in out.scheduled:
             seq = scheduled.seq
+            samples = scheduled.completes_prompt
             seq.num_computed_tokens += scheduled.num_new_tokens
-            if scheduled.completes_prompt and seq.append_token(1) is not None:
+            if samples and seq.append_token(1) is not None:
                 scheduler.finish(seq, "length")
                 latencies.append(step - arrivals[seq.request_id].arrival)
         running = scheduler.running

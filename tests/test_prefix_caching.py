@@ -27,9 +27,10 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], new_tokens: in
     while scheduler.num_unfinished:
         for scheduled in scheduler.schedule().scheduled:
             seq = scheduled.seq
+            samples = scheduled.completes_prompt
             seq.num_computed_tokens += scheduled.num_new_tokens
             scheduler.block_manager.cache_computed_blocks(seq)
-            if scheduled.completes_prompt:
+            if samples:
                 seq.token_ids.append(7)
                 if seq.num_output_tokens >= new_tokens:
                     scheduler.finish(seq, "length")
