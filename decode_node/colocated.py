@@ -113,11 +113,7 @@ class ColocatedNode(NodeRuntime):
 
     def _update(self, output: StepOutput) -> TokenUpdate:
         self.generation_tokens_total += len(output.new_token_ids)
-        logprobs = None
-        if output.new_logprobs:
-            logprobs = [
-                [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top]] for lp in output.new_logprobs
-            ]
+        logprobs = [lp.to_wire() for lp in output.new_logprobs] or None
         if output.finish_reason is not None:
             self.active.discard(output.request_id)
             logger.info("finished request %s (%s)", output.request_id, output.finish_reason)

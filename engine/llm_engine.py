@@ -172,11 +172,16 @@ class LLMEngine:
         self.held_blocks.update(block_ids)
 
     def release_blocks(self, block_ids: list[int]) -> None:
+        self._unhold(block_ids)
+        self.block_manager.release_blocks(block_ids)
+
+    def _unhold(self, block_ids: list[int]) -> None:
+        """Forgets the engine's holds on blocks (whose references are released or handed to
+        a sequence by the caller)."""
         self.held_blocks.subtract(block_ids)
         if min(self.held_blocks.values(), default=0) < 0:
             raise RuntimeError(f"released blocks that were not held: {block_ids}")
         self.held_blocks = +self.held_blocks
-        self.block_manager.release_blocks(block_ids)
 
     def add_prefilled_request(
         self,
@@ -194,8 +199,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         skip_sample(seq, self.model_config.vocab_size)
-        self.held_blocks.subtract(block_ids)
-        self.held_blocks = +self.held_blocks
+        self._unhold(block_ids)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens

@@ -165,15 +165,28 @@ def encode(message: Any) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def decode(data: bytes) -> Any:
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data):,} bytes exceeds {MAX_MESSAGE_BYTES:,}")
+def unpack_map(
+    data: bytes | memoryview,
+    max_bytes: int,
+    what: str,
+    error: type[ValueError] = ProtocolError,
+) -> dict[str, Any]:
+    """Decodes one msgpack map of at most `max_bytes` (string keys only, nothing executable);
+    raises `error` naming `what` for anything else. Every wire format of the project starts
+    here."""
+    if len(data) > max_bytes:
+        raise error(f"{what} of {len(data):,} bytes exceeds {max_bytes:,}")
     try:
         fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as error:  # noqa: BLE001 (msgpack raises several unrelated types)
-        raise ProtocolError(f"not a msgpack message: {type(error).__name__}") from None
+    except Exception as failure:  # noqa: BLE001 (msgpack raises several unrelated types)
+        raise error(f"{what} is not msgpack: {type(failure).__name__}") from None
     if not isinstance(fields, dict):
-        raise ProtocolError("a message must be a map")
+        raise error(f"{what} is a msgpack {type(fields).__name__}, not a map")
+    return fields
+
+
+def decode(data: bytes) -> Any:
+    fields = unpack_map(data, MAX_MESSAGE_BYTES, "message")
     cls = MESSAGE_TYPES.get(fields.pop("type", None))
     if cls is None:
         raise ProtocolError("unknown message type")

@@ -20,6 +20,10 @@ class TokenLogprobs:
     logprob: float
     top: list[tuple[int, float]]
 
+    def to_wire(self) -> list:
+        """[token_id, logprob, [[id, logprob], ...]], as TokenUpdate.logprobs carries it."""
+        return [self.token_id, self.logprob, [[t, v] for t, v in self.top]]
+
 
 @dataclass
 class SampleResult:

@@ -18,6 +18,7 @@ import msgpack
 import torch
 
 from engine.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
+from engine.protocol import unpack_map
 from kvtransfer.messages import KVProtocolError
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -95,14 +96,9 @@ class KVDescriptor:
 
     @classmethod
     def decode(cls, data: bytes) -> KVDescriptor:
-        if len(data) > MAX_DESCRIPTOR_BYTES:
-            raise KVProtocolError(f"descriptor of {len(data):,} bytes is too large")
-        try:
-            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as error:  # noqa: BLE001 (msgpack raises several unrelated types)
-            raise KVProtocolError(f"descriptor is not msgpack: {type(error).__name__}") from None
+        fields = unpack_map(data, MAX_DESCRIPTOR_BYTES, "descriptor", KVProtocolError)
         names = {f.name: f.type for f in dataclasses.fields(cls)}
-        if not isinstance(fields, dict) or set(fields) != set(names):
+        if set(fields) != set(names):
             raise KVProtocolError(f"a descriptor is a map with exactly the fields {sorted(names)}")
         for name, annotation in names.items():
             value = fields[name]

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import msgpack
+from engine.protocol import encode, unpack_map
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_TRANSFER_ID_CHARS = 256
@@ -121,21 +121,11 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 
 
-def encode_header(message: Any) -> bytes:
-    fields = dataclasses.asdict(message)
-    fields["type"] = message.type
-    return msgpack.packb(fields, use_bin_type=True)
+encode_header = encode  # the same tagged-map encoding as the node protocol
 
 
 def decode_header(data: bytes | memoryview) -> Any:
-    if len(data) > MAX_HEADER_BYTES:
-        raise KVProtocolError(f"header of {len(data):,} bytes exceeds {MAX_HEADER_BYTES:,}")
-    try:
-        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as error:  # noqa: BLE001 (msgpack raises several unrelated types)
-        raise KVProtocolError(f"header is not msgpack: {type(error).__name__}") from None
-    if not isinstance(fields, dict):
-        raise KVProtocolError(f"header is a msgpack {type(fields).__name__}, not a map")
+    fields = unpack_map(data, MAX_HEADER_BYTES, "header", KVProtocolError)
     cls = MESSAGE_TYPES.get(fields.pop("type", None))
     if cls is None:
         raise KVProtocolError("header has no known message type")

@@ -173,10 +173,7 @@ class PrefillNode(NodeRuntime):
         request = self.requests.get(first.request_id)
         if request is None:
             return
-        logprobs = None
-        if first.logprobs is not None:
-            lp = first.logprobs
-            logprobs = [[lp.token_id, lp.logprob, [[t, v] for t, v in lp.top]]]
+        logprobs = [first.logprobs.to_wire()] if first.logprobs is not None else None
         update = TokenUpdate(
             first.request_id,
             [first.token_id],
