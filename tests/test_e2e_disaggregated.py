@@ -98,11 +98,15 @@ def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answ
         tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1], "--kv-transport", layout[2]
     )
     try:
-        nodes = server.metric_by_node("pdserve_kv_cache_usage_ratio")
-        assert sorted(nodes) == sorted(
+        expected_nodes = sorted(
             [f"prefill-{i}.{server.port}" for i in range(int(layout[0]))]
             + [f"decode-{i}.{server.port}" for i in range(int(layout[1]))]
         )
+        deadline = time.monotonic() + 30  # /health needs one live pair; the rest may lag
+        while len(server.metric_by_node("pdserve_kv_cache_usage_ratio")) < len(expected_nodes):
+            assert time.monotonic() < deadline, "not every node reported in time"
+            time.sleep(0.2)
+        assert sorted(server.metric_by_node("pdserve_kv_cache_usage_ratio")) == expected_nodes
         answers = run_concurrently(server.url, requests_with_shared_prefixes())
         assert answers == colocated_answers
         server.wait_all_blocks_free()
