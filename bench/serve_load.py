@@ -1,16 +1,36 @@
 """An OpenAI-API load generator: streamed completions sent at set arrival times, with per-request
-TTFT, inter-token latencies, TPOT and end-to-end latency, and the summary statistics serving
-benchmarks report (percentiles, throughput, goodput under an SLO)."""
+TTFT, inter-token latencies, TPOT and end-to-end latency.
+
+Each request waits until its arrival offset, then for a free slot when `max_concurrency` is set;
+its clock starts when it is sent. A request fails, and is recorded with the reason instead of
+raising, on a non-200 answer, an error event in the stream, a broken connection or timeout, or
+fewer tokens than asked for when EOS is ignored. Prompts are token-id lists sent to
+/v1/completions; `endpoint="chat"` sends them as text (`to_text`) in one user message.
+Summary statistics live in bench/serve_metrics.py (re-exported here).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+
+from bench.serve_metrics import percentile, summarize
+
+__all__ = [
+    "LoadOptions",
+    "LoadRequest",
+    "RequestTiming",
+    "discover_model",
+    "percentile",
+    "run_load",
+    "summarize",
+]
+ENDPOINTS = ("completions", "chat")
 
 
 @dataclass
@@ -29,6 +49,8 @@ class RequestTiming:
     e2e: float = 0.0
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    error: str = ""
 
     @property
     def tpot(self) -> float:
@@ -37,85 +59,146 @@ class RequestTiming:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one(http: httpx.AsyncClient, model: str, request: LoadRequest, start: float):
-    await asyncio.sleep(max(0.0, start + request.at - time.perf_counter()))
-    sent = time.perf_counter()
-    body = {
+@dataclass
+class LoadOptions:
+    model: str | None = None
+    endpoint: str = "completions"
+    max_concurrency: int | None = None
+    ignore_eos: bool = True
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    to_text: Callable[[list[int]], str] | None = None
+    on_done: Callable[[RequestTiming], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint is {self.endpoint!r}; expected one of {ENDPOINTS}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency is {self.max_concurrency}; expected >= 1")
+        if self.endpoint == "chat" and self.to_text is None:
+            raise ValueError("--endpoint chat needs a tokenizer to turn prompts into text")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def _body(model: str, request: LoadRequest, options: LoadOptions) -> tuple[str, dict]:
+    body: dict = {
         "model": model,
-        "prompt": request.prompt,
         "max_tokens": request.max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    timing = RequestTiming(request.kind, ok=False)
-    last = None
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    if options.ignore_eos:
+        body["ignore_eos"] = True
+    if options.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": options.to_text(request.prompt)}]
+        return "/v1/chat/completions", body
+    body["prompt"] = request.prompt
+    return "/v1/completions", body
+
+
+def _chunk_text(choice: dict) -> str:
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _stream(http: httpx.AsyncClient, path: str, body: dict, timing: RequestTiming) -> None:
+    """Fills `timing` from the SSE stream; token arrivals are the chunks that carry text."""
+    sent = time.perf_counter()
+    last, text_chunks = None, 0
+    async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
-            return timing
+            detail = (await response.aread()).decode(errors="replace")[:200]
+            timing.error = f"HTTP {response.status_code}: {detail}"
+            return
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            payload = line[len("data:") :].strip() if line.startswith("data:") else ""
+            if not payload or payload == "[DONE]":
                 continue
-            chunk = json.loads(line[len("data: ") :])
+            chunk = json.loads(payload)
             now = time.perf_counter()
+            if chunk.get("error"):
+                timing.error = f"error event: {json.dumps(chunk['error'])[:200]}"
+                return
             if chunk.get("usage"):
-                timing.output_tokens = chunk["usage"]["completion_tokens"]
-            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                timing.output_tokens = chunk["usage"].get("completion_tokens", 0)
+                timing.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+            if not chunk.get("choices") or not _chunk_text(chunk["choices"][0]):
                 continue
+            text_chunks += 1
             if last is None:
                 timing.ttft = now - sent
             else:
                 timing.itls.append(now - last)
             last = now
     timing.e2e = time.perf_counter() - sent
-    timing.ok = timing.output_tokens == request.max_tokens
+    timing.output_tokens = timing.output_tokens or text_chunks
+    if last is None:
+        timing.error = "no text was streamed"
+
+
+async def _one(
+    http: httpx.AsyncClient,
+    model: str,
+    request: LoadRequest,
+    options: LoadOptions,
+    start: float,
+    slots: asyncio.Semaphore | None,
+) -> RequestTiming:
+    await asyncio.sleep(max(0.0, start + request.at - time.perf_counter()))
+    timing = RequestTiming(request.kind, ok=False, prompt_tokens=len(request.prompt))
+    path, body = _body(model, request, options)
+    try:
+        if slots is None:
+            await _stream(http, path, body, timing)
+        else:
+            async with slots:
+                await _stream(http, path, body, timing)
+    except Exception as error:  # noqa: BLE001 - one bad answer must not end the whole run
+        timing.error = f"{type(error).__name__}: {error}"[:200]
+    if not timing.error and options.ignore_eos and timing.output_tokens != request.max_tokens:
+        timing.error = f"{timing.output_tokens} of {request.max_tokens} tokens"
+    timing.ok = not timing.error
+    if options.on_done is not None:
+        options.on_done(timing)
     return timing
 
 
-def run_load(url: str, requests: list[LoadRequest]) -> tuple[list[RequestTiming], float]:
-    """Sends every request at its time; returns the timings and the wall time of the run."""
+def discover_model(url: str, api_key: str | None = None) -> str:
+    """The first model id the server lists at /v1/models."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as error:
+        raise ValueError(
+            f"could not read a model id from {url}/v1/models ({error}); pass --model"
+        ) from error
 
-    async def main():
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+
+def run_load(
+    url: str, requests: list[LoadRequest], options: LoadOptions | None = None
+) -> tuple[list[RequestTiming], float]:
+    """Sends every request at its time; returns the timings (in request order) and the wall
+    time from the first send to the last answer."""
+    options = options or LoadOptions()
+    model = options.model or discover_model(url, options.api_key)
+
+    async def main() -> tuple[list[RequestTiming], float]:
+        limit = max(1, min(len(requests), options.max_concurrency or len(requests)))
+        limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+        slots = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
+        async with httpx.AsyncClient(
+            base_url=url, timeout=options.timeout_s, limits=limits, headers=options.headers()
+        ) as http:
             start = time.perf_counter()
-            timings = await asyncio.gather(*(_one(http, model, r, start) for r in requests))
-            return timings, time.perf_counter() - start
+            timings = await asyncio.gather(
+                *(_one(http, model, r, options, start, slots) for r in requests)
+            )
+            return list(timings), time.perf_counter() - start
 
     return asyncio.run(main())
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def summarize(
-    timings: list[RequestTiming], wall: float, slo_ttft: float, slo_tpot: float
-) -> dict[str, float]:
-    done = [t for t in timings if t.ok]
-    itls = [x for t in done for x in t.itls]
-    good = [t for t in done if t.ttft <= slo_ttft and t.tpot <= slo_tpot]
-    out = {
-        "requests": len(timings),
-        "completed": len(done),
-        "throughput_tok_s": sum(t.output_tokens for t in done) / wall,
-        "request_throughput": len(done) / wall,
-        "goodput": len(good) / wall,
-        "slo_attainment": len(good) / len(timings) if timings else 0.0,
-    }
-    for name, values in (
-        ("ttft", [t.ttft for t in done]),
-        ("tpot", [t.tpot for t in done if t.output_tokens > 1]),
-        ("itl", itls),
-        ("e2e", [t.e2e for t in done]),
-    ):
-        out[f"{name}_mean"] = statistics.fmean(values) if values else float("nan")
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}"] = percentile(values, q)
-        out[f"{name}_max"] = max(values, default=float("nan"))
-    return out
