@@ -69,7 +69,9 @@ class ColocatedNode(NodeRuntime):
             if request_id in self.active or request_id in self.engine.sequences:
                 raise ValueError(f"request id {request_id!r} is already in use")
             params = SamplingParams(**message.sampling)
-            self.engine.add_request(request_id, message.prompt_token_ids, params)
+            self.engine.add_request(
+                request_id, message.prompt_token_ids, params, message.priority
+            )
         except (ValueError, TypeError) as error:
             logger.info("rejected request %s: %s", request_id, error)
             self.send(RequestFailed(request_id, str(error), 400))

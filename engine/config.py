@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.admission import ADMISSION_POLICIES
+from engine.preemption import PREEMPTION_MODES
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -21,6 +24,7 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+DEFAULT_SWAP_SPACE = 4 << 30
 
 
 @dataclass
@@ -40,6 +44,13 @@ class EngineConfig:
     enable_prefix_caching: keep full KV blocks after their requests and reuse them for prompts
         that start with the same tokens; `prefix_cache_min_blocks` is the shortest run of full
         blocks worth keeping.
+    preemption_mode: "auto" (per sequence, the cheaper of recompute and swap by measured
+        speeds), "recompute" or "swap" (engine.preemption); `swap_space` bytes of host memory
+        hold swapped-out KV (allocated on first use; 0 disables swapping).
+    admission: "optimistic", "worst-case" or "predicted" (engine.admission), with
+        `admission_quantile` of observed output lengths for "predicted".
+    priority_aging_s: seconds of waiting worth one priority level (engine.sequence_queue);
+        0 makes priorities strict.
     """
 
     model: str | None = None
@@ -58,6 +69,11 @@ class EngineConfig:
     prefix_cache_min_blocks: int = 2
     num_threads: int | None = None
     seed: int = 0
+    preemption_mode: str = "auto"
+    swap_space: int = DEFAULT_SWAP_SPACE
+    admission: str = "optimistic"
+    admission_quantile: float = 0.9
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +104,22 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}"
+            )
+        if not 0.0 < self.admission_quantile <= 1.0:
+            raise ValueError(
+                f"admission_quantile must be in (0, 1], got {self.admission_quantile}"
+            )
+        if self.priority_aging_s < 0:
+            raise ValueError(f"priority_aging_s must be >= 0, got {self.priority_aging_s}")
         from engine.attention import check_attention_backend
 
         check_attention_backend(self.attention_backend)

@@ -9,12 +9,15 @@ live above it (`engine.output_processor`), which ends requests through `finish_r
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from engine.admission import AdmissionPolicy
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
@@ -22,10 +25,13 @@ from engine.model_config import ModelConfig
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import StepOutput
+from engine.preemption import PreemptionPolicy
+from engine.queue_wait import QueueWaitStats
 from engine.sampler import skip_sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.swap_space import SwapSpace
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -60,32 +66,67 @@ class LLMEngine:
             config.enable_prefix_caching,
             config.prefix_cache_min_blocks,
         )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
+        kv_spec = self.runner.kv_cache.spec
+        self.swap_space = (
+            SwapSpace.for_budget(self.runner.kv_cache, config.swap_space)
+            if config.swap_space >= kv_spec.bytes_per_block and config.preemption_mode != "recompute"
+            else None
         )
+        self.preemption = PreemptionPolicy(
+            config.preemption_mode, kv_spec.bytes_per_block // config.block_size
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            preemption=self.preemption,
+            swap_space=self.swap_space,
+            admission=AdmissionPolicy(
+                config.admission, config.block_size, config.admission_quantile
+            ),
+            priority_aging_s=config.priority_aging_s,
+        )
+        self.queue_wait = QueueWaitStats()
         self.sequences: dict[str, Sequence] = {}
         self.held_blocks: Counter[int] = Counter()
         self.on_chunk_computed: Callable[[Sequence], None] | None = None
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> None:
-        """Queues a request; raises ValueError if it is malformed or can never fit."""
+        """Queues a request (lower `priority` is served first); raises ValueError if it is
+        malformed or can never fit."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
     def _new_sequence(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> Sequence:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
         return Sequence(
-            request_id, prompt_token_ids, params, frozenset(stop_ids), self.runner.device
+            request_id,
+            prompt_token_ids,
+            params,
+            frozenset(stop_ids),
+            self.runner.device,
+            priority,
+            arrival_time,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -124,9 +165,17 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         schedule = self.scheduler.schedule()
+        self._swap(schedule)
         if schedule.is_empty:
             return []
+        for scheduled in schedule.scheduled:
+            self.queue_wait.observe(scheduled.seq)
+        started = time.perf_counter()
         samples = self.runner.execute(schedule)
+        num_prefill_tokens = sum(
+            s.num_new_tokens for s in schedule.scheduled if s.num_new_tokens > 1
+        )
+        self.preemption.observe_prefill(num_prefill_tokens, time.perf_counter() - started)
         for scheduled in schedule.scheduled:
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(scheduled.seq)
@@ -151,6 +200,18 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _swap(self, schedule: SchedulerOutput) -> None:
+        """The step's swaps, before anything writes the device blocks a swap-out gave up."""
+        if self.swap_space is None:
+            return
+        for pairs, copy in (
+            (schedule.blocks_to_swap_out, self.swap_space.swap_out),
+            (schedule.blocks_to_swap_in, self.swap_space.swap_in),
+        ):
+            if pairs:
+                self.preemption.observe_copy(*copy(pairs))
+        self.swap_space.free(schedule.host_blocks_to_free)
 
     # -- blocks held outside sequences (disaggregated serving) -------------------------------
 
@@ -191,18 +252,20 @@ class LLMEngine:
         block_ids: list[int],
         first_token_id: int,
         num_cached_tokens: int = 0,
+        priority: int = 0,
     ) -> str | None:
         """Decode side: joins the running batch with the prompt's KV already in `block_ids`
         (reserved here, filled by a transfer) and its first token sampled elsewhere. Returns
         the finish reason if that token already ends the request (its blocks are then freed)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
         skip_sample(seq, self.model_config.vocab_size)
         self._unhold(block_ids)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens
+        seq.first_scheduled_time = seq.arrival_time
         reason = seq.append_token(first_token_id)
         if reason is not None:
             self.block_manager.free(seq)
@@ -211,7 +274,26 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         return None
 
+    def scheduling_stats(self) -> dict[str, Any]:
+        """Preemptions by cure, swapped bytes and queue wait by priority (NodeStats fields)."""
+        by_mode = self.scheduler.num_preemptions_by_mode
+        swap = self.swap_space
+        return {
+            "num_swap_preemptions": by_mode["swap"],
+            "num_recompute_preemptions": by_mode["recompute"],
+            "swap_out_bytes_total": swap.bytes_out_total if swap else 0,
+            "swap_in_bytes_total": swap.bytes_in_total if swap else 0,
+            "queue_wait_seconds_by_priority": {
+                str(p): s for p, s in self.queue_wait.seconds_by_priority.items()
+            },
+            "queue_wait_requests_by_priority": {
+                str(p): n for p, n in self.queue_wait.count_by_priority.items()
+            },
+        }
+
     def check_integrity(self) -> None:
         tables = [seq.block_table for seq in self.sequences.values()]
         tables.append(list(self.held_blocks.elements()))
         self.block_manager.check_integrity(tables)
+        if self.swap_space is not None:
+            self.swap_space.check_integrity(self.scheduler.host_block_tables())

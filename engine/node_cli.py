@@ -27,6 +27,10 @@ _ENGINE_OPTIONS = (
     "prefix_cache_min_blocks",
     "attention_backend",
     "num_threads",
+    "preemption_mode",
+    "admission",
+    "admission_quantile",
+    "priority_aging_s",
 )
 
 
@@ -49,6 +53,24 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--prefix-cache-min-blocks", type=int, default=None)
+    parser.add_argument(
+        "--preemption-mode", default=None, help="auto (cheaper by cost), recompute or swap"
+    )
+    parser.add_argument(
+        "--swap-space", type=float, default=None, metavar="GIB",
+        help="host memory for swapped-out KV, in GiB (default 4; 0 disables swapping)",
+    )
+    parser.add_argument(
+        "--admission", default=None, help="optimistic (default), worst-case or predicted"
+    )
+    parser.add_argument(
+        "--admission-quantile", type=float, default=None,
+        help="quantile of observed output lengths that predicted admission reserves",
+    )
+    parser.add_argument(
+        "--priority-aging-seconds", dest="priority_aging_s", type=float, default=None,
+        help="seconds of waiting worth one priority level (0: strict priorities)",
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
     return parser
 
@@ -57,6 +79,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     options = {
         name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None
     }
+    if args.swap_space is not None:
+        options["swap_space"] = int(args.swap_space * (1 << 30))
     return EngineConfig(
         model=args.model, enable_prefix_caching=args.enable_prefix_caching, **options
     )

@@ -1,27 +1,39 @@
-"""Iteration-level (continuous) batching with chunked prefill and preemption by recompute.
+"""Iteration-level (continuous) batching with chunked prefill, priorities and preemption.
 
-Queues: `waiting` (FCFS; preempted sequences re-enter at the front) and `running` (in admission
-order; holds blocks). Each `schedule()` call builds one step under a token budget
-(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
-  1. running sequences first, in admission order: a decode takes one token, an unfinished
-     prefill takes the next chunk that fits the budget. When blocks run short, the most recently
-     admitted running sequence is preempted (blocks freed, back to the front of `waiting`,
-     recomputed from scratch later) - possibly the one being scheduled itself;
-  2. then waiting sequences, in order, reuse the longest prefix the prefix cache holds and take
-     chunks of the rest of their prompts with whatever budget is left, as long as blocks remain
-     above a small watermark (so decodes are not starved). Idle cached blocks are evicted before
-     an admission is refused or anything is preempted.
+Queues: `waiting` (new requests, and preempted ones: recomputed from scratch or swapped out to
+host memory) and `running` (holding device blocks). Both are ordered by rank (priority aged by
+arrival time, see `engine.sequence_queue`). Each `schedule()` call builds one step under a token
+budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
+  1. running sequences first, in rank order: a decode takes one token, an unfinished prefill
+     takes the next chunk that fits the budget. When blocks run short, the lowest-ranked
+     running sequence is preempted - possibly the one being scheduled itself. The preemption
+     policy picks its cure: recompute (blocks freed, nothing computed) or swap (its computed
+     blocks copied to host blocks at the start of this step, then freed).
+  2. unless step 1 preempted anything, waiting sequences in rank order: a swapped one gets
+     device blocks and its KV copied back in; any other reuses the longest prefix the prefix
+     cache holds. Each takes a chunk with whatever budget is left, as long as blocks remain
+     above a small watermark plus what admitted sequences are still expected to need (the
+     admission policy). When the first waiting sequence cannot be admitted but outranks the
+     lowest running one, that one is preempted to make room; otherwise admission stops (no
+     overtaking). Idle cached blocks are evicted before an admission is refused or anything
+     is preempted.
 Every sequence submitted fits the whole cache on its own (checked by the engine at submission),
-so the oldest running sequence can always progress: no deadlock.
+so the first running sequence can always progress: no deadlock.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
+from engine.admission import AdmissionPolicy
 from engine.block_manager import BlockManager
+from engine.preemption import PreemptionPolicy
 from engine.sequence import Sequence, SequenceStatus
+from engine.sequence_queue import PriorityOrder, SequenceQueue
+from engine.swap_space import SwapSpace
+
+DEFAULT_PRIORITY_AGING_S = 10.0
 
 
 @dataclass
@@ -37,9 +49,16 @@ class ScheduledSequence:
 
 @dataclass
 class SchedulerOutput:
+    """One step. Before the forward pass the engine performs, in this order: the swap-outs
+    (device, host), the swap-ins (host, device), then frees `host_blocks_to_free`, then the
+    copy-on-write copies (src, dst)."""
+
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    host_blocks_to_free: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,17 +76,34 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         watermark: float = 0.01,
+        preemption: PreemptionPolicy | None = None,
+        swap_space: SwapSpace | None = None,
+        admission: AdmissionPolicy | None = None,
+        priority_aging_s: float = DEFAULT_PRIORITY_AGING_S,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.preemption = preemption or PreemptionPolicy("recompute", bytes_per_token=0)
+        self.swap_space = swap_space
+        self.admission = admission or AdmissionPolicy("optimistic", block_manager.block_size)
+        order = PriorityOrder(priority_aging_s)
+        self.waiting = SequenceQueue(order)
+        self.running = SequenceQueue(order)
+        self._sequence_numbers = itertools.count()
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.sequence_number = next(self._sequence_numbers)
+        self.waiting.add(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Joins a sequence whose prompt KV is already in its blocks (computed elsewhere)."""
+        seq.sequence_number = next(self._sequence_numbers)
+        seq.status = SequenceStatus.RUNNING
+        self.running.add(seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -85,33 +121,87 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
             index += 1
+        if out.preempted:
+            return out
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            num_hit = self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, self.watermark_blocks):
-                self.block_manager.release(seq)
-                seq.num_computed_tokens = 0
+            num_new = None
+            if len(self.running) < self.max_num_seqs:
+                num_new = self._admit(seq, budget, out)
+            if num_new is not None:
+                self.waiting.pop_first()
+                seq.status = SequenceStatus.RUNNING
+                self.running.add(seq)
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+            elif self._outranks_last_running(seq):
+                budget += self._preempt_for_admission(out)
+            else:
                 break
-            self.block_manager.prefix_cache.record_admission(seq.num_tokens, num_hit)
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = num_hit
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
         return out
 
-    def add_running(self, seq: Sequence) -> None:
-        """Joins a sequence whose prompt KV is already in its blocks (computed elsewhere)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Gives a waiting seq its device blocks (and its swapped KV back) and returns the
+        tokens it computes in this step; None, changing nothing, if the cache cannot take it
+        now."""
+        manager = self.block_manager
+        headroom_needed = self.watermark_blocks + sum(
+            self.admission.outstanding_blocks(s) for s in self.running
+        )
+        if seq.status is SequenceStatus.SWAPPED:
+            block_ids = manager.allocate_blocks(len(seq.host_block_table))
+            if block_ids is None:
+                return None
+            seq.block_table = block_ids
+        else:
+            num_hit = manager.match_prefix(seq)
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        blocks_after = max(
+            len(seq.block_table), manager.blocks_for_tokens(seq.num_computed_tokens + num_new)
+        )
+        reserve = headroom_needed + max(0, self.admission.expected_blocks(seq) - blocks_after)
+        if not self.running:
+            reserve = 0  # alone, any sequence fits (checked at submission)
+        if not manager.allocate_slots(seq, num_new, reserve):
+            manager.release(seq)
+            if seq.status is not SequenceStatus.SWAPPED:
+                seq.num_computed_tokens = 0
+            return None
+        if seq.status is SequenceStatus.SWAPPED:
+            out.blocks_to_swap_in.extend(zip(seq.host_block_table, seq.block_table))
+            out.host_blocks_to_free.extend(seq.host_block_table)
+            seq.host_block_table = []
+        else:
+            manager.prefix_cache.record_admission(seq.num_tokens, num_hit)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_hit
+        return num_new
+
+    def _outranks_last_running(self, seq: Sequence) -> bool:
+        if not self.running:
+            return False
+        rank = self.running.order.rank
+        return rank(seq) < rank(self.running[-1])
+
+    def _preempt_for_admission(self, out: SchedulerOutput) -> int:
+        """Preempts the lowest-ranked running sequence for a higher-ranked waiting one; returns
+        the budget it had been given in this step."""
+        victim = self.running[-1]
+        returned = 0
+        for index, scheduled in enumerate(out.scheduled):
+            if scheduled.seq is victim:
+                returned = scheduled.num_new_tokens
+                del out.scheduled[index]
+                break
+        # A block still waiting for its copy-on-write copy would be swapped out unfilled.
+        pending_copies = {dst for _, dst in out.blocks_to_copy}
+        self._preempt(victim, out, may_swap=pending_copies.isdisjoint(victim.block_table))
+        return returned
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocates seq's slots (and private copies of shared blocks), preempting the most
-        recently admitted running sequences as needed; False if seq itself was preempted."""
+        """Allocates seq's slots (and private copies of shared blocks), preempting the
+        lowest-ranked running sequences as needed; False if seq itself was preempted."""
         while True:
             if self.block_manager.allocate_slots(seq, num_new):
                 copies = self.block_manager.copy_on_write(seq, num_new)
@@ -119,28 +209,54 @@ class Scheduler:
                     out.blocks_to_copy.extend(copies)
                     return True
             victim = self.running[-1]
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt(victim, out)
             if victim is seq:
                 return False
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, may_swap: bool = True) -> None:
         self.running.remove(seq)
+        num_computed = seq.num_computed_tokens
+        host_block_ids = None
+        if (
+            may_swap
+            and self.swap_space is not None
+            and num_computed
+            and self.preemption.prefers_swap(num_computed)
+        ):
+            num_blocks = self.block_manager.blocks_for_tokens(num_computed)
+            host_block_ids = self.swap_space.allocate(num_blocks)
+        if host_block_ids is not None:
+            out.blocks_to_swap_out.extend(zip(seq.block_table, host_block_ids))
+            seq.host_block_table = host_block_ids
+            seq.status = SequenceStatus.SWAPPED
+            self.num_preemptions_by_mode["swap"] += 1
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.num_preemptions_by_mode["recompute"] += 1
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        if seq.status is SequenceStatus.WAITING:
+            seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.waiting.add(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends seq wherever it is and frees its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.waiting.remove(seq)
+            self.swap_space.free(seq.host_block_table)
+            seq.host_block_table = []
         else:
             return
-        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.admission.observe_finished(seq, reason)
+
+    def host_block_tables(self) -> list[list[int]]:
+        return [seq.host_block_table for seq in self.waiting if seq.host_block_table]

@@ -1,9 +1,13 @@
 """A request's state inside one engine.
 
-Lifecycle: WAITING (queued; also after preemption, with no blocks and nothing computed) ->
-RUNNING (holds blocks; `num_computed_tokens` starts at the prefix reused from the cache and
-grows by prefill chunks, then one per decode) ->
-FINISHED (blocks freed in the step that finished it). Preemption moves RUNNING back to WAITING.
+Lifecycle: WAITING (queued; also after preemption by recompute, with no blocks and nothing
+computed) -> RUNNING (holds blocks; `num_computed_tokens` starts at the prefix reused from the
+cache and grows by prefill chunks, then one per decode) -> FINISHED (blocks freed in the step
+that finished it). Preemption moves RUNNING back to WAITING (KV dropped, recomputed later) or
+to SWAPPED (KV copied to the host blocks in `host_block_table`, `num_computed_tokens` kept;
+waiting in the same queue, and copied back in when admitted again).
+
+`priority`: lower is more important (as in vLLM's API); `arrival_time` orders equals.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -30,15 +35,21 @@ class Sequence:
         params: SamplingParams,
         stop_token_ids: frozenset[int],
         device: torch.device,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.stop_token_ids = stop_token_ids
-        self.arrival_time = time.monotonic()
+        self.priority = priority
+        self.sequence_number = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.host_block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_blocks_offered = 0
         self.num_cached_tokens: int | None = None

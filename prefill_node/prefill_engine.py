@@ -58,6 +58,7 @@ class PrefillEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         dst_block_ids: list[int],
+        priority: int = 0,
     ) -> None:
         """Raises ValueError for a bad request, or when the decode node reserved a number of
         blocks that does not match the prompt."""
@@ -70,7 +71,7 @@ class PrefillEngine:
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None
         )
-        self.engine.add_request(request_id, prompt_token_ids, first_only)
+        self.engine.add_request(request_id, prompt_token_ids, first_only, priority)
         self.outgoing[request_id] = _Outgoing(list(dst_block_ids))
 
     def step(self) -> list[FirstToken]:

@@ -35,7 +35,7 @@ class _CommonParams(_Request):
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # lower is served first
     skip_special_tokens: bool = True
 
 

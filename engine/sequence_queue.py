@@ -1,0 +1,60 @@
+"""The order in which the scheduler serves sequences: priority, aged by waiting time.
+
+A sequence's rank is `arrival_time + priority * aging_s` (smaller is served first and preempted
+last): one priority level is worth `aging_s` seconds of waiting. Ranks never change, so the
+relative order of two requests is fixed, and a request of priority p that arrived at t goes
+ahead of every request of priority q that arrives after t + (p - q) * aging_s. That is the
+starvation bound: a flood of more important requests delays it only by the work of those that
+arrived before that moment. With aging_s = 0 priorities are strict (ties by arrival) and a
+steady flood of more important requests can starve the rest.
+Ties go to the earlier arrival, then to the earlier submission (`Sequence.sequence_number`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+from engine.sequence import Sequence
+
+
+class PriorityOrder:
+    def __init__(self, aging_s: float) -> None:
+        if aging_s < 0:
+            raise ValueError(f"priority aging must be >= 0 seconds, got {aging_s}")
+        self.aging_s = aging_s
+
+    def rank(self, seq: Sequence) -> tuple[float, ...]:
+        if self.aging_s == 0:
+            return (seq.priority, seq.arrival_time, seq.sequence_number)
+        aged = seq.arrival_time + seq.priority * self.aging_s
+        return (aged, seq.arrival_time, seq.sequence_number)
+
+
+class SequenceQueue:
+    """Sequences kept sorted by rank: [0] is served first, [-1] is the first preemption victim."""
+
+    def __init__(self, order: PriorityOrder) -> None:
+        self.order = order
+        self._items: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self._items, seq, key=self.order.rank)
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def pop_first(self) -> Sequence:
+        return self._items.pop(0)
+
+    def __getitem__(self, index: int) -> Sequence:
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._items
