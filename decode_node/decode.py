@@ -18,6 +18,10 @@ once, kvtransfer/base.py). Lifecycle of a disaggregated request (Generate with a
                       transfer returns its blocks at once (nothing can write them).
   running             as in a colocated node, tokens streamed from offset 1 (the prefill node
                       sent offset 0). A preempted request recomputes locally.
+A dead prefill node is noticed by the router, which aborts (and may retry under a new id) its
+requests here: blocks never granted to it return at once, granted ones at RELEASED (its
+deadline + grace, as it can no longer abandon them). While idle (nothing pending) the node
+loop's leak check counts every block still in use as leaked.
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ class DecodeNode(ColocatedNode):
             "kv_transfer_failures_total": self.transfer_failures,
             "preallocation_wait_seconds_total": self.preallocation_wait_s,
         }
+
+    def idle(self) -> bool:
+        return not self.pending and super().idle()
 
     def poll_timeout_ms(self) -> int:
         if self.busy():
@@ -198,6 +205,7 @@ class DecodeNode(ColocatedNode):
                     self.advertise_address,
                     self.descriptor.encode(),
                     self.transfer_timeout_s,
+                    pending.message.priority,
                 ),
                 pending.message.prefill_address,
             )
@@ -208,7 +216,10 @@ class DecodeNode(ColocatedNode):
             return
         if event.kind is TransferKind.COMPLETE:
             pending.complete = True
-            self._join_when_ready(event.transfer_id)
+            if pending.failed:  # aborted while its commit was being reported: nothing writes
+                self._drop_complete(event.transfer_id)  # into the blocks any more
+            else:
+                self._join_when_ready(event.transfer_id)
         elif event.kind is TransferKind.FAILED:
             if not pending.failed:
                 pending.failed = True
@@ -232,6 +243,7 @@ class DecodeNode(ColocatedNode):
                 pending.block_ids,
                 first.token_id,
                 first.num_cached_tokens,
+                pending.message.priority,
             )
         except ValueError as error:
             self.engine.release_blocks(pending.block_ids)

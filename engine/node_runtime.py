@@ -4,6 +4,8 @@ Sockets (addresses come from the constructor; nothing is module-global):
   PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `engine.protocol`)
   PUSH, connected to `router_address` -> router: TokenBatch, RequestFailed, NodeStats
   PUSH per peer address, on first use -> other nodes (PrefillRequest, PrefillDone)
+  PUSH of the heartbeat thread        -> router: Heartbeat (engine/heartbeat.py), every
+                                         `heartbeat_interval`, during long engine steps too
 
 Loop (`run()` until `stop()`):
   1. poll the PULL socket for up to `poll_timeout_ms()` (0 while `busy()`, else IDLE_POLL_MS),
@@ -12,8 +14,12 @@ Loop (`run()` until `stop()`):
   2. `work()`: one engine step and whatever the role does around it.
   3. NodeStats right after startup (the "ready" signal; its listen address also registers the
      node with a router that did not know it) and every `heartbeat_interval` seconds.
+  4. Leak self-check, at most once per `heartbeat_interval` while the node is `idle()` (no
+     request or transfer in flight): the count of blocks still in use, which nothing may hold
+     when idle, and `engine.check_integrity()` (an error is logged and counts as a leak);
+     NodeStats reports it as `num_leaked_blocks` (the router exports it; it must stay 0).
 Sends never block: messages a PUSH socket cannot take now wait in one ordered outbox and are
-retried every iteration; heartbeats are skipped while the outbox is not empty.
+retried every iteration; NodeStats are skipped while the outbox is not empty.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import collections
 import logging
 import threading
 import time
+import uuid
 from typing import Any, ClassVar
 
 import zmq
 
+from engine.heartbeat import DEFAULT_STALL_LIMIT_S, HeartbeatThread
 from engine.llm_engine import LLMEngine
-from engine.protocol import NodeStats, ProtocolError, decode, encode
+from engine.protocol import Heartbeat, NodeStats, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +54,17 @@ class NodeRuntime:
         router_address: str,
         heartbeat_interval: float = 0.5,
         advertise_address: str | None = None,
+        stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
     ) -> None:
         self.engine = engine
         self.node_id = node_id
+        self.instance_id = uuid.uuid4().hex[:16]
         self.listen_address = listen_address
         self.advertise_address = advertise_address or listen_address
         self.router_address = router_address
         self.heartbeat_interval = heartbeat_interval
+        self.stall_limit_s = stall_limit_s
+        self.num_leaked_blocks = 0
         self._stop = threading.Event()
         self._outbox: collections.deque[tuple[Any, bytes]] = collections.deque()
         self._peers: dict[str, Any] = {}
@@ -67,6 +79,10 @@ class NodeRuntime:
 
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    def idle(self) -> bool:
+        """No request or transfer in flight: every block must be free or kept by the cache."""
+        return not self.busy()
 
     def poll_timeout_ms(self) -> int:
         """How long the loop may wait for a message: 0 while there is work to do."""
@@ -89,6 +105,13 @@ class NodeRuntime:
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._push = self._context.socket(zmq.PUSH)
+        heartbeat = HeartbeatThread(
+            self._context,
+            self.router_address,
+            self.heartbeat_interval,
+            Heartbeat(self.node_id, self.instance_id),
+            self.stall_limit_s,
+        )
         try:
             self._pull.bind(self.listen_address)
             self._push.connect(self.router_address)
@@ -102,16 +125,23 @@ class NodeRuntime:
                 self.router_address,
             )
             self.send_stats()
-            next_heartbeat = time.monotonic() + self.heartbeat_interval
+            heartbeat.start()
+            next_stats = next_leak_check = time.monotonic() + self.heartbeat_interval
             while not self._stop.is_set():
                 if poller.poll(self.poll_timeout_ms()):
                     self._drain()
                 self.work()
                 self._flush()
-                if time.monotonic() >= next_heartbeat:
+                heartbeat.progress()
+                now = time.monotonic()
+                if now >= next_leak_check and self.idle():
+                    self.num_leaked_blocks = self.check_leaks()
+                    next_leak_check = now + self.heartbeat_interval
+                if now >= next_stats:
                     self.send_stats()
-                    next_heartbeat = time.monotonic() + self.heartbeat_interval
+                    next_stats = now + self.heartbeat_interval
         finally:
+            heartbeat.stop()
             self.shutdown()
             for socket in (self._pull, self._push, *self._peers.values()):
                 socket.close(linger=0)
@@ -131,6 +161,24 @@ class NodeRuntime:
                 continue
             self.handle(message)
 
+    def check_leaks(self) -> int:
+        """Called while `idle()`: the number of blocks in use although no request or transfer
+        holds them (at least 1 when the block accounting itself is inconsistent)."""
+        manager = self.engine.block_manager
+        leaked = manager.num_blocks - manager.num_free_blocks
+        try:
+            self.engine.check_integrity()
+        except RuntimeError as error:
+            logger.error("node %s: KV block accounting is inconsistent: %s", self.node_id, error)
+            leaked = max(leaked, 1)
+        if leaked != self.num_leaked_blocks and leaked:
+            logger.error(
+                "node %s: %d KV blocks are in use while no request holds them (leaked)",
+                self.node_id,
+                leaked,
+            )
+        return leaked
+
     # -- outbound ----------------------------------------------------------------------------
 
     def stats(self) -> NodeStats:
@@ -146,6 +194,7 @@ class NodeRuntime:
             "num_free_blocks": engine.block_manager.num_free_blocks,
             "num_total_blocks": engine.block_manager.num_blocks,
             "num_preemptions": engine.scheduler.num_preemptions,
+            **engine.scheduling_stats(),
             "prompt_tokens_total": 0,
             "generation_tokens_total": 0,
             "num_cached_blocks": engine.block_manager.num_cached_blocks,
@@ -155,12 +204,14 @@ class NodeRuntime:
             "listen_address": self.advertise_address,
             "block_size": engine.config.block_size,
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "instance_id": self.instance_id,
+            "num_leaked_blocks": self.num_leaked_blocks,
         }
         fields.update(self.stats_fields())
         return NodeStats(**fields)
 
     def send_stats(self) -> None:
-        """Heartbeats are droppable: skipped while results wait, dropped if the pipe is full."""
+        """Droppable: skipped while results wait, dropped if the pipe is full."""
         if self._outbox:
             return
         try:

@@ -8,8 +8,12 @@ or unknown (receivers log and drop such messages; they never crash on them).
 Flows, colocated mode:
   router -> node     Generate, Abort
   node -> router     TokenBatch (after every engine step that produced tokens), RequestFailed,
-                     NodeStats (every heartbeat interval; also tells the router the node is alive,
-                     and, with its listen address, registers a node the router did not know)
+                     NodeStats (between engine steps, every heartbeat interval; with its listen
+                     address it registers a node the router did not know; a new `instance_id`
+                     under a known node id means the node was restarted; `num_leaked_blocks`
+                     is the node's idle-time block leak check),
+                     Heartbeat (every heartbeat interval from a thread of its own, during long
+                     engine steps too); either one tells the router the node is alive
 Disaggregated mode adds:
   router -> decode   Generate with `prefill_address`: reserve blocks, then ask that prefill node
   router -> prefill  Abort (the router aborts a request on both nodes)
@@ -41,13 +45,15 @@ class ProtocolError(ValueError):
 @dataclass
 class Generate:
     """Start a request. `sampling` holds SamplingParams keyword arguments. With
-    `prefill_address` (to a decode node), that prefill node computes the prompt."""
+    `prefill_address` (to a decode node), that prefill node computes the prompt. Lower
+    `priority` is served first (engine.sequence_queue)."""
 
     type: ClassVar[str] = "generate"
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     prefill_address: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -64,6 +70,7 @@ class PrefillRequest:
     decode_address: str
     kv_descriptor: bytes
     deadline_s: float
+    priority: int = 0
 
 
 @dataclass
@@ -143,11 +150,29 @@ class NodeStats:
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_failures_total: int = 0
     preallocation_wait_seconds_total: float = 0.0
+    instance_id: str = ""
+    num_leaked_blocks: int = 0
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    swap_out_bytes_total: int = 0
+    swap_in_bytes_total: int = 0
+    queue_wait_seconds_by_priority: dict[str, float] = field(default_factory=dict)
+    queue_wait_requests_by_priority: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Heartbeat:
+    """Node -> router: this process (`instance_id`) of node `node_id` is alive."""
+
+    type: ClassVar[str] = "heartbeat"
+    node_id: str
+    instance_id: str
 
 
 MESSAGE_TYPES: dict[str, type] = {
     cls.type: cls
     for cls in (
+        Heartbeat,
         Generate,
         Abort,
         TokenBatch,

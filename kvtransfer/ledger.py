@@ -11,7 +11,8 @@ A transfer moves through these states; each has a deadline:
   released   RELEASED is reported: the owner may free and reuse the blocks.
 
 Writes for an unknown, complete, failed or released transfer, or to blocks outside its set, are
-refused before any byte is written.
+refused before any byte is written (one for a complete transfer can only repeat a write that
+landed, so the receiver drops it without failing the sender's transfer).
 
 Late-write rule. Where the receiver scatters every byte itself (zmq), a failed transfer is
 released at once: its I/O thread checks the ledger before each scatter, so nothing lands after.
@@ -226,6 +227,10 @@ class TransferLedger:
         self._recent[transfer.transfer_id] = outcome
         while len(self._recent) > RECENT_TRANSFERS_REMEMBERED:
             self._recent.popitem(last=False)
+
+    def committed(self, transfer_id: str) -> bool:
+        """Whether the transfer completed (as far as the ledger remembers)."""
+        return transfer_id not in self._transfers and self._recent.get(transfer_id) == "complete"
 
     def _describe_absent(self, transfer_id: str) -> str:
         transfer = self._transfers.get(transfer_id)

@@ -6,6 +6,8 @@ else is ever decoded), checks it against the ledger and the descriptor (lengths,
 layer range, dtype) before any byte is written, and logs and drops anything that fails. It also
 fires deadlines and release times. The owner's calls (expect, abort) take the ledger lock, which
 the I/O thread holds while it checks and applies a write, so an abort never races a scatter.
+With `PDSERVE_KV_FAULTS` set at construction, Committed notices pass through a fault injector
+(kvtransfer/faults.py) that drops, duplicates or holds them.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import KVReceiver, TransferEvent, TransferKind
 from kvtransfer.descriptor import KVDescriptor
 from kvtransfer.events import EventBoard
+from kvtransfer.faults import FaultInjector
 from kvtransfer.ledger import TransferLedger
 from kvtransfer.messages import (
     Abandon,
     Ack,
     Begin,
+    Committed,
     Data,
     Grant,
     KVProtocolError,
@@ -82,6 +86,7 @@ class ChannelReceiver(KVReceiver):
         self._ledger: TransferLedger | None = None
         self._kv_cache: KVCache | None = None
         self._descriptor: KVDescriptor | None = None
+        self._faults = FaultInjector.from_environ(f"KV receiver {config.node_id}")
 
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, device: torch.device
@@ -153,6 +158,8 @@ class ChannelReceiver(KVReceiver):
         self._wakeup.close()
         self.transport.close()
         self._kv_cache = None
+        if self._faults is not None:
+            self._faults.close()
 
     def _collect_actions(self) -> None:
         """Moves the ledger's events to the board and its notices to the outbox (lock held)."""
@@ -197,10 +204,19 @@ class ChannelReceiver(KVReceiver):
                     self._collect_actions()
                     outbox, self._outbox = self._outbox, []
                 for identity, message in outbox:
-                    socket.send_multipart([identity, encode_header(message)])
+                    self._send_notice(socket, identity, message)
+                if self._faults is not None:
+                    self._faults.flush(time.monotonic())
         finally:
             socket.close(linger=0)
             context.term()
+
+    def _send_notice(self, socket: zmq.Socket, identity: bytes, message: Any) -> None:
+        parts = [identity, encode_header(message)]
+        if self._faults is not None and isinstance(message, Committed):
+            self._faults.send("done", socket.send_multipart, parts, time.monotonic())
+        else:
+            socket.send_multipart(parts)
 
     def _advertised(self, bound: str) -> str:
         """The bound endpoint with the host prefill nodes should dial (for 0.0.0.0 binds)."""
@@ -212,6 +228,8 @@ class ChannelReceiver(KVReceiver):
     def _poll_timeout_ms(self) -> int:
         with self._lock:
             next_timer = self._ledger.next_timer()
+        if self._faults is not None and self._faults.next_due() is not None:
+            next_timer = min(next_timer or float("inf"), self._faults.next_due())
         if next_timer is None:
             return int(MAX_IDLE_POLL_S * 1000)
         return max(0, min(int((next_timer - time.monotonic()) * 1000) + 1, 1000))
@@ -276,7 +294,7 @@ class ChannelReceiver(KVReceiver):
                 )
                 self._collect_actions()
                 return None
-        return self._drop(message, reason)
+        return self._refuse(message, reason)
 
     def _apply_data(self, identity: bytes, message: Data, data_frames: list[zmq.Frame]) -> Any:
         if self.transport.direct_write:
@@ -316,7 +334,21 @@ class ChannelReceiver(KVReceiver):
                 )
                 self._collect_actions()
                 return Ack(message.transfer_id, message.seq)
-        return self._drop(message, reason)
+        return self._refuse(message, reason)
+
+    def _refuse(self, message: Data | Written, reason: str) -> Reject | None:
+        """A write that failed the ledger's check. One for a committed transfer repeats a write
+        that already landed (every block of every layer arrived, each block is written once per
+        transfer): it is dropped without a Reject, which would fail the sender's transfer."""
+        with self._lock:
+            repeated = self._ledger.committed(message.transfer_id)
+        if not repeated:
+            return self._drop(message, reason)
+        logger.info(
+            "KV channel: ignored a repeated %s %d of committed transfer %r",
+            type(message).__name__, message.seq, message.transfer_id,
+        )
+        return None
 
     def _drop(self, message: Data | Written, reason: str) -> Reject:
         logger.warning(

@@ -10,6 +10,9 @@ wait while unacknowledged bytes would pass max_inflight_bytes (backpressure); a 
 sends Written after its job's last step. The transfer ends COMPLETE on Committed, or FAILED on
 Refuse, Reject, Cancel, abort or the deadline; a failed transfer that sent Begin sends Abandon,
 which tells the decode node that nothing of it will be copied any more.
+
+With `PDSERVE_KV_FAULTS` set at construction, Data and Written messages pass through a fault
+injector (kvtransfer/faults.py) that drops, duplicates or holds them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from engine.kv_cache import KVCache
 from kvtransfer.base import KVSender, TransferEvent, TransferKind
 from kvtransfer.descriptor import KVDescriptor, check_compatible
 from kvtransfer.events import EventBoard
+from kvtransfer.faults import FaultInjector
 from kvtransfer.messages import (
     MAX_TRANSFER_ID_CHARS,
     Abandon,
@@ -79,6 +83,7 @@ class ChannelSender(KVSender):
         self._next_seq = 0
         self._context: zmq.Context | None = None
         self._socket: zmq.Socket | None = None
+        self._faults = FaultInjector.from_environ("KV sender")
 
     def connect(self, descriptor: KVDescriptor, kv_cache: KVCache, model_fingerprint: str) -> None:
         if self._thread is not None:
@@ -145,6 +150,8 @@ class ChannelSender(KVSender):
             self._thread.join(timeout=5.0)
         self._wakeup.close()
         self.transport.close()
+        if self._faults is not None:
+            self._faults.close()
 
     def _serve(self) -> None:
         self._lower_priority()
@@ -180,6 +187,8 @@ class ChannelSender(KVSender):
         if self._closing.is_set():
             return
         busy = self._run_one_step_each()
+        if self._faults is not None:
+            self._faults.flush(time.monotonic())
         self._expire(time.monotonic())
         ready = dict(poller.poll(0 if busy else self._idle_timeout_ms()))
         if self._wakeup.read_fd in ready:
@@ -188,10 +197,14 @@ class ChannelSender(KVSender):
             self._handle_reply(self._socket.recv_multipart())
 
     def _send(self, message: Any, frames: list[Any] = ()) -> bool:
+        parts = [encode_header(message), *frames]
+        if self._faults is not None and isinstance(message, (Data, Written)):
+            return self._faults.send("frame", self._send_parts, parts, time.monotonic())
+        return self._send_parts(parts)
+
+    def _send_parts(self, parts: list[Any]) -> bool:
         try:
-            self._socket.send_multipart(
-                [encode_header(message), *frames], copy=not frames, flags=zmq.NOBLOCK
-            )
+            self._socket.send_multipart(parts, copy=len(parts) == 1, flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
@@ -317,6 +330,8 @@ class ChannelSender(KVSender):
 
     def _idle_timeout_ms(self) -> int:
         deadlines = [t.deadline for t in self._transfers.values()]
+        if self._faults is not None and self._faults.next_due() is not None:
+            deadlines.append(self._faults.next_due())
         if not deadlines:
             return int(MAX_IDLE_POLL_S * 1000)
         return max(0, min(int((min(deadlines) - time.monotonic()) * 1000) + 1, 1000))

@@ -4,6 +4,7 @@
   pdserve generate PROMPT...  one-shot greedy generation, printed as it streams
   pdserve chat                interactive chat with the model's chat template
   pdserve serve               the OpenAI-compatible HTTP server (router + colocated node)
+  pdserve bench serve         load-test an OpenAI-compatible server (python -m bench.serve)
 
 Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 """
@@ -30,6 +31,33 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     _prefix_cache_args(parser, default_min_blocks=2)
 
 
+def _scheduling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preemption-mode",
+        choices=("auto", "recompute", "swap"),
+        default=None,
+        help="cure for preempted requests (default auto: the cheaper by measured cost)",
+    )
+    parser.add_argument(
+        "--swap-space", type=float, default=None, metavar="GIB",
+        help="host memory per node for swapped-out KV (default 4 GiB; 0 disables swapping)",
+    )
+    parser.add_argument(
+        "--admission",
+        choices=("optimistic", "worst-case", "predicted"),
+        default=None,
+        help="KV reserved at admission (default optimistic: the next chunk only)",
+    )
+    parser.add_argument(
+        "--admission-quantile", type=float, default=None,
+        help="quantile of observed output lengths reserved by predicted admission (0.9)",
+    )
+    parser.add_argument(
+        "--priority-aging-seconds", dest="priority_aging_s", type=float, default=None,
+        help="seconds of waiting worth one priority level (default 10; 0: strict)",
+    )
+
+
 def _prefix_cache_args(parser: argparse.ArgumentParser, default_min_blocks: int | None) -> None:
     parser.add_argument(
         "--enable-prefix-caching",
@@ -42,6 +70,79 @@ def _prefix_cache_args(parser: argparse.ArgumentParser, default_min_blocks: int 
         type=int,
         default=default_min_blocks,
         help="shortest run of full KV blocks the prefix cache keeps (default: 2)",
+    )
+
+
+def _failure_args(parser: argparse.ArgumentParser) -> None:
+    """Deadlines of failure handling (README, "Failure handling")."""
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="how often each node tells the router it is alive (default 0.5)",
+    )
+    parser.add_argument(
+        "--node-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a node is dead after this long without a heartbeat (default: 2 intervals)",
+    )
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="deadline of each stage of a request on a decode node: free KV blocks, the KV "
+        "transfer, the first token (default 30)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight may still run (default 30)",
+    )
+    parser.add_argument(
+        "--restart-nodes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a node process that exits (default: on)",
+    )
+
+
+def _router_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The router's queue and stream bounds (defaults: the router's own)."""
+    parser.add_argument(
+        "--max-queued-requests",
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests admitted and not started yet before new ones get 429 (default 1024)",
+    )
+    parser.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens of those requests before new ones get 429 (default 1048576)",
+    )
+    parser.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a stream whose client reads nothing for this long is aborted (default 30)",
+    )
+    parser.add_argument(
+        "--max-stream-buffer-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens held for a client that reads slower than the model writes; past it "
+        "the request is aborted (default 8192)",
     )
 
 
@@ -119,6 +220,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode need at least one node each")
+    for name in ("heartbeat_interval", "transfer_timeout"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    if args.node_timeout is not None and args.node_timeout <= args.heartbeat_interval:
+        raise ValueError(
+            f"--node-timeout {args.node_timeout:g} must exceed --heartbeat-interval "
+            f"{args.heartbeat_interval:g}"
+        )
+    if args.drain_timeout < 0:
+        raise ValueError("--drain-timeout must be 0 or more")
     return serve(args)
 
 
@@ -135,6 +246,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(render_json(plan) if args.json else render_table(plan))
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if not args.bench_args or args.bench_args[0] != "serve":
+        print("pdserve bench: expected `pdserve bench serve [flags]`", file=sys.stderr)
+        return 2
+    from bench.serve import main as serve_main
+
+    return serve_main(args.bench_args[1:], prog="pdserve bench serve")
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
@@ -185,7 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     serve.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
     _prefix_cache_args(serve, default_min_blocks=None)
+    _scheduling_args(serve)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    _failure_args(serve)
+    _router_limit_args(serve)
     serve.set_defaults(run=cmd_serve)
     plan = sub.add_parser("plan", help="KV cache size and maximum concurrency for a model")
     plan.add_argument("--model", required=True, help="a model folder or a known name")
@@ -196,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--block-size", type=int, default=16)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(run=cmd_plan)
+    sub.add_parser(
+        "bench", help="serve: load-test any OpenAI-compatible server", add_help=False
+    ).add_argument("bench_args", nargs=argparse.REMAINDER)
     for role in ("prefill", "decode"):
         joiner = sub.add_parser(
             role,
@@ -210,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # every later flag belongs to the benchmark
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     if argv and argv[0] in ("prefill", "decode"):  # every later flag belongs to the node
         return (cmd_prefill if argv[0] == "prefill" else cmd_decode)(
             argparse.Namespace(node_args=argv[1:])

@@ -6,20 +6,25 @@ each with `--threads-per-node` threads), KV moved over shm between CPU processes
 between GPUs (`--kv-transport` overrides). Colocated (`--colocated`): one `decode_node`
 process that prefills and decodes. Either way one `router` process, wired over ZeroMQ on free
 loopback ports. The launcher waits until the router's
-/health answers 200, prints the URL, forwards SIGINT/SIGTERM to its children, and stops them
-all when any one exits. On Linux each child also asks the kernel for SIGTERM when the launcher
-dies (PR_SET_PDEATHSIG), so even a `kill -9` of the launcher leaves no orphan behind.
+/health answers 200 and prints the URL; a process that exits before then stops everything.
+
+Then it supervises (pdserve/supervisor.py): a node that exits is restarted with the same node id
+and address (`--no-restart-nodes`: the deployment serves on without it) and rejoins the router
+by its heartbeat, nothing else restarting; the router exiting, or a node crash-looping, stops
+everything with status 1. Nodes heartbeat every `--heartbeat-interval` seconds and the router
+calls one dead after `--node-timeout` (default: two intervals).
+
+SIGTERM drains: the router answers 503 to new requests while those in flight finish (at most
+`--drain-timeout` seconds), then the nodes stop, and every child has exited and every
+shared-memory segment is gone before the launcher exits 0. SIGINT stops without draining.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -27,53 +32,21 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.supervisor import Deployment
+
 READY_TIMEOUT_S = 600.0
-_PR_SET_PDEATHSIG = 1
-STOP_TIMEOUT_S = 10.0
+ROUTER_LIMITS = (
+    "max_queued_requests",
+    "max_queued_tokens",
+    "stream_stall_timeout",
+    "max_stream_buffer_tokens",
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A pre-exec hook asking the kernel for SIGTERM when the launcher dies (Linux only).
-
-    libc is loaded here, in the parent, so the child between fork and exec only makes one
-    async-signal-safe system call.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).prctl
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class Deployment:
-    processes: list[subprocess.Popen] = field(default_factory=list)
-    before_exec: Callable[[], None] | None = field(default_factory=_parent_death_signal)
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **(env or {}), "PDSERVE_ROLE": name}
-        process = subprocess.Popen(argv, env=env, preexec_fn=self.before_exec)  # noqa: PLW1509
-        self.processes.append(process)
-
-    def first_exited(self) -> subprocess.Popen | None:
-        return next((p for p in self.processes if p.poll() is not None), None)
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -85,12 +58,18 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "kv_cache_memory",
         "prefix_cache_min_blocks",
         "attention_backend",
+        "preemption_mode",
+        "swap_space",
+        "admission",
+        "admission_quantile",
     ):
         value = getattr(args, name)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if not args.enable_prefix_caching:
         flags.append("--no-enable-prefix-caching")
+    if args.priority_aging_s is not None:
+        flags += ["--priority-aging-seconds", str(args.priority_aging_s)]
     return flags
 
 
@@ -132,14 +111,15 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     a CPU host an equal share of the cores unless `--threads-per-node` says otherwise."""
     python = sys.executable
     common = ["--model", model, "--router", router_address, *_engine_flags(args)]
+    common += ["--heartbeat-interval", str(args.heartbeat_interval)]
     if args.colocated:
         roles = [("colocated", "decode_node", ["--role", "colocated"])]
     else:
         transport = choose_kv_transport(args.kv_transport)
         roles = [("prefill", "prefill_node", ["--kv-transport", transport])] * args.prefill
-        roles += [("decode", "decode_node", ["--role", "decode", "--kv-transport", transport])] * (
-            args.decode
-        )
+        decode_flags = ["--role", "decode", "--kv-transport", transport]
+        decode_flags += ["--transfer-timeout", str(args.transfer_timeout)]
+        roles += [("decode", "decode_node", decode_flags)] * args.decode
     gpus = _gpu_count()
     threads = args.threads_per_node
     if threads is None and not gpus:
@@ -177,8 +157,9 @@ def serve(args: argparse.Namespace) -> int:
         model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
     router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"
     nodes = plan_nodes(args, model, router_address)
-    deployment = Deployment()
-    stopping = []
+    deployment = Deployment(restart_nodes=args.restart_nodes)
+    node_timeout = args.node_timeout or 2 * args.heartbeat_interval
+    stopping: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         stopping.append(signum)
@@ -201,25 +182,35 @@ def serve(args: argparse.Namespace) -> int:
             args.host,
             "--port",
             str(args.port),
+            "--node-timeout",
+            str(node_timeout),
+            "--drain-timeout",
+            str(args.drain_timeout),
         ]
         for node in nodes:
             router_argv += ["--node", f"{node.name}={node.address}"]
         if args.api_key:
             router_argv += ["--api-key", args.api_key]
-        deployment.start("router", router_argv)
+        for name in ROUTER_LIMITS:  # queue and stream bounds (router/config.py)
+            if getattr(args, name, None) is not None:
+                router_argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        deployment.start("router", router_argv, is_node=False)
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
         layout = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(f"pdserve is serving {model} at {url}/v1 ({layout})", flush=True)
         print(f"nodes started elsewhere join with --router {router_address}", flush=True)
         while not stopping:
-            exited = deployment.first_exited()
-            if exited is not None:
-                print(f"pdserve: a process exited with status {exited.returncode}", file=sys.stderr)
+            problem = deployment.watch()
+            if problem is not None:
+                print(f"pdserve: {problem}; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.2)
         return 0
     finally:
-        deployment.stop()
+        drain = stopping[:1] == [signal.SIGTERM]
+        if drain:
+            print(f"pdserve: draining (at most {args.drain_timeout:g} s)", file=sys.stderr)
+        deployment.stop(args.drain_timeout if drain else None, lambda: len(stopping) > 1)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -6,15 +6,25 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from pdserve.launcher import free_port, wait_healthy
 
 
 class ServeProcess:
-    def __init__(self, flags: list[str], ready_timeout_s: float = 300.0, quiet: bool = False):
+    """`log_path`: where every process writes its output (default: this process's own)."""
+
+    def __init__(
+        self,
+        flags: list[str],
+        ready_timeout_s: float = 300.0,
+        quiet: bool = False,
+        log_path: Path | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        output = subprocess.DEVNULL if quiet else None
+        self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
+        output = self._log or (subprocess.DEVNULL if quiet else None)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port), *flags],
             stdout=output,
@@ -27,11 +37,12 @@ class ServeProcess:
             raise
 
     def close(self) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()

@@ -5,7 +5,9 @@ Lifecycle of a request (the loop is node_runtime.py's):
   PrefillRequest  from a decode node, which already reserved `dst_block_ids` and expects the
                   transfer until `deadline_s` from now. The node connects a KV sender to that
                   decode node on first contact (a descriptor mismatch fails the request with a
-                  message naming both values) and queues the prompt (prefill_engine.py).
+                  message naming both values) and queues the prompt (prefill_engine.py). A new
+                  descriptor from a known decode node id (the node was restarted: new channel,
+                  new buffer) replaces that node's sender; the old one's transfers fail.
   each step       the blocks each chunk completed are written at once (the copy overlaps the
                   next chunk).
   first token     to the router as a TokenUpdate with offset 0, and PrefillDone to the decode
@@ -69,7 +71,7 @@ class PrefillNode(NodeRuntime):
         self.transport = transport
         self.fingerprint = model_fingerprint(engine.model_config)
         self.prefill = PrefillEngine(engine, self._write)
-        self.senders: dict[str, KVSender] = {}
+        self.senders: dict[str, tuple[bytes, KVSender]] = {}
         self.requests: dict[str, _Request] = {}
         self.transfer_failures = 0
         self.transfer_bytes = 0
@@ -101,9 +103,15 @@ class PrefillNode(NodeRuntime):
         try:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            sender = self._sender(KVDescriptor.decode(message.kv_descriptor))
+            sender = self._sender(message.kv_descriptor)
             params = SamplingParams(**message.sampling)
-            self.prefill.add(request_id, message.prompt_token_ids, params, message.dst_block_ids)
+            self.prefill.add(
+                request_id,
+                message.prompt_token_ids,
+                params,
+                message.dst_block_ids,
+                message.priority,
+            )
         except (ValueError, TypeError) as error:
             logger.info("rejected prefill of %s: %s", request_id, error)
             self.send(RequestFailed(request_id, str(error), 400))
@@ -113,14 +121,30 @@ class PrefillNode(NodeRuntime):
         )
         logger.info("prefilling %s (%d tokens)", request_id, len(message.prompt_token_ids))
 
-    def _sender(self, descriptor: KVDescriptor) -> KVSender:
-        key = f"{descriptor.node_id}@{descriptor.address}"
-        sender = self.senders.get(key)
-        if sender is None:
-            sender = ChannelSender(self.transport)
-            sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
-            self.senders[key] = sender
+    def _sender(self, encoded_descriptor: bytes) -> KVSender:
+        """The sender to the decode node `encoded_descriptor` describes. A decode node whose
+        descriptor changed was restarted (new channel, new buffer): its old sender is closed,
+        so nothing is ever written into a previous incarnation's buffer."""
+        descriptor = KVDescriptor.decode(encoded_descriptor)
+        current = self.senders.get(descriptor.node_id)
+        if current is not None and current[0] == encoded_descriptor:
+            return current[1]
+        sender = ChannelSender(self.transport)
+        sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
+        if current is not None:
+            logger.info("decode node %s has a new KV channel; closing the old", descriptor.node_id)
+            self._close_sender(current[1])
+        self.senders[descriptor.node_id] = (encoded_descriptor, sender)
         return sender
+
+    def _close_sender(self, sender: KVSender) -> None:
+        """Closes a sender to a decode node's previous incarnation (its thread stops reading
+        our blocks), then ends its requests here; the router fails them for that node."""
+        sender.close()
+        for request_id, request in list(self.requests.items()):
+            if request.sender is sender:
+                self.prefill.abort(request_id)
+                self._finish(request_id)
 
     def _abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -154,7 +178,7 @@ class PrefillNode(NodeRuntime):
                 return
             for first in firsts:
                 self._first_token(first)
-        for sender in self.senders.values():
+        for _, sender in self.senders.values():
             for event in sender.poll():
                 request = self.requests.get(event.transfer_id)
                 if request is None:
@@ -203,5 +227,5 @@ class PrefillNode(NodeRuntime):
         self.prefill.release(request_id)
 
     def shutdown(self) -> None:
-        for sender in self.senders.values():
+        for _, sender in self.senders.values():
             sender.close()

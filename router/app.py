@@ -2,15 +2,19 @@
 metrics) per app; nothing is module-global.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Request flow: read the body (413/400) -> validate (400) -> model (404) ->
-parameter checks (400) -> a live node (503) -> prompt ids vs. vocabulary and context (400) ->
-waiting-request limit (429) -> submit n sub-requests -> JSON or SSE answer. A client that
-goes away gets every sub-request aborted.
+GET /metrics. Request flow: admission queue full (429, before any parsing or tokenization) ->
+read the body (413/400) -> validate (400) -> model (404) -> parameter checks (400) -> a live
+node (503) -> prompt ids vs. vocabulary and context (400) -> draining after SIGTERM (503,
+router/drain.py) -> prompt and completion vs. the largest live KV cache (400: it could never
+be served) -> admission queue bounds (429) ->
+submit n sub-requests -> JSON or SSE answer. A client that goes away gets every sub-request
+aborted; so does a stream whose client stops reading (router/sse.py, router/generation.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from engine.tokenizer import load_tokenizer
+from router.admission import AdmissionQueue
 from router.auth import APIKeyMiddleware
 from router.body import read_json_object
 from router.config import RouterConfig
@@ -34,9 +39,18 @@ from router.node_registry import NodeState
 from router.responses import Responder
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse
-from router.validation import Plan, check_model, plan_chat, plan_completion
+from router.validation import (
+    KVCapacity,
+    Plan,
+    check_kv_capacity,
+    check_model,
+    plan_chat,
+    plan_completion,
+)
 
 CLIENT_CLOSED_REQUEST = 499
+
+logger = logging.getLogger(__name__)
 
 
 class RouterState:
@@ -49,23 +63,44 @@ class RouterState:
             tokenizer if tokenizer is not None else load_tokenizer(Path(config.model_path))
         )
         self.metrics = RouterMetrics()
+        self.admission = AdmissionQueue(config, self.metrics.registry)
         self.client = NodeClient(
             config.node_addresses,
             config.listen_address,
             config.node_timeout_s,
             on_stats=self._on_stats,
+            on_liveness=self._on_liveness,
+            on_retry=self.metrics.request_retries.inc,
         )
         self.formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
+        self.draining = False  # set on SIGTERM (router/drain.py): new requests get 503
 
     def _on_stats(self, node: NodeState) -> None:
         self.metrics.observe_node(node.node_id or node.address, node.stats)
+
+    def _on_liveness(self, node: NodeState) -> None:
+        self.metrics.observe_liveness(node.node_id or node.address, node.role or "", node.up)
 
     def limits(self) -> tuple[int, int]:
         node = self.client.live_node()
         if node is None:
             raise APIError(503, "No inference node is available; try again later.")
         return node.stats.max_model_len, node.stats.vocab_size
+
+    def kv_capacity(self) -> KVCapacity:
+        """The largest KV caches (in blocks) of the live nodes that would serve a request."""
+        registry = self.client.registry
+        prefill = registry.live("prefill")
+        serving = registry.live("decode") if prefill else []
+        if not serving:
+            serving, prefill = registry.live("colocated"), []
+        stats = [n.stats for n in (*serving, *prefill)]
+        return KVCapacity(
+            block_size=max((s.block_size for s in stats), default=0),
+            serving_blocks=max((n.stats.num_total_blocks for n in serving), default=0),
+            prefill_blocks=max((n.stats.num_total_blocks for n in prefill), default=None),
+        )
 
 
 def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
@@ -94,11 +129,18 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     app.add_middleware(APIKeyMiddleware, api_key=config.api_key, on_error=state.metrics.error)
 
     async def run(request: Request, chat: bool, req: Any, plan: Plan) -> Response:
-        if state.client.num_waiting + plan.n > config.max_waiting_requests:
-            raise APIError(429, "Too many requests are waiting; try again later.")
+        if state.draining:
+            raise APIError(503, "The server is shutting down; retry on another replica.")
+        check_kv_capacity(plan, state.kv_capacity())
         prefix = "chatcmpl" if chat else "cmpl"
         generation = Generation(
-            f"{prefix}-{uuid.uuid4().hex}", plan, state.client, state.tokenizer, state.metrics
+            f"{prefix}-{uuid.uuid4().hex}",
+            plan,
+            state.client,
+            state.tokenizer,
+            state.metrics,
+            state.admission,
+            config.max_stream_buffer_tokens,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
@@ -116,10 +158,25 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             generation.poll_disconnect = None
             if not req.stream:
                 await events.aclose()
-        return EventStreamResponse(responder.stream(events, first))
+        response = EventStreamResponse(
+            responder.stream(events, first),
+            stall_timeout_s=config.stream_stall_timeout_s,
+            on_stall=lambda: stalled(generation),
+        )
+        generation.queue.writer_blocked = response.write_blocked
+        return response
+
+    def stalled(generation: Generation) -> None:
+        state.metrics.error("stream_stalled")
+        logger.warning(
+            "request %s aborted: its client read nothing for %.1f s",
+            generation.request_id,
+            config.stream_stall_timeout_s,
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        state.admission.check_room()
         req = _parse(CompletionRequest, await read_json_object(request, config.max_body_bytes))
         check_model(req.model, config.model_name)
         plan = plan_completion(req, config, state.tokenizer, state.limits)
@@ -127,6 +184,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        state.admission.check_room()
         data = await read_json_object(request, config.max_body_bytes)
         req = _parse(ChatCompletionRequest, data)
         check_model(req.model, config.model_name)
@@ -150,6 +208,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            body = error_body("The server is shutting down.", "service_unavailable_error")
+            return JSONResponse(body, status_code=503)
         if state.client.any_alive():
             return JSONResponse({"status": "ok"})
         body = error_body("No inference node is alive.", "service_unavailable_error")

@@ -25,9 +25,30 @@ class RouterConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 8
     max_stop: int = 4
-    max_waiting_requests: int = 1024
-    # Nodes report between engine steps; a 2,048-token prefill step takes ~3 s on two CPU cores.
+    # Admission: sub-requests (n per request) accepted and not yet started (no token back),
+    # and their prompt tokens; past either bound the router answers 429 (router/admission.py).
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20
+    # Streaming: a write to the client blocked this long aborts the request; at most this many
+    # tokens wait in the router for a client that reads slower than the node generates.
+    stream_stall_timeout_s: float = 30.0
+    max_stream_buffer_tokens: int = 8192
+    # A node is dead after this long without a heartbeat. Nodes send one every 0.5 s from a
+    # thread of their own, so `python -m router` and `pdserve serve` use 1.0 s (two missed
+    # heartbeats); this lenient default suits embedders whose nodes report less often.
     node_timeout_s: float = 30.0
+    # On SIGTERM, requests in flight get this long to finish (router/drain.py).
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_queued_tokens", "max_stream_buffer_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} is {value!r}; expected an integer >= 1")
+        if not 0 < self.stream_stall_timeout_s <= 3600:
+            raise ValueError(
+                f"stream_stall_timeout_s is {self.stream_stall_timeout_s}; expected (0, 3600] s"
+            )
 
     @property
     def model_name(self) -> str:

@@ -17,6 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -52,7 +54,11 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status == 429:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -5,6 +5,14 @@ detokenized incrementally and cut at its stop strings, yielded as per-choice eve
 sub-request still running on the node, so a cancelled stream, a closed generator, a client
 disconnect (`ClientDisconnected`, raised when the optional `poll_disconnect` says so) or a
 node failure never leaves work behind.
+
+Bounds: each sub-request holds its place in the router's admission queue (admission.py) until
+its first token, its end or its abort. The node messages not yet read wait in an
+`UpdateQueue`. While the stream's writes to its client are blocked (the client reads slower
+than the nodes generate), at most `max_buffer_tokens` tokens may wait there: past that the
+generation is aborted on the nodes at once and ends with an error, so the router never holds
+more than that for a slow client. (A backlog the router builds while it is merely busy is not
+cut: it is bounded by n x max_tokens and drains.)
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.protocol import RequestFailed, TokenUpdate
+from router.admission import AdmissionQueue
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
@@ -27,6 +36,43 @@ DISCONNECT_POLL_S = 0.05
 
 class ClientDisconnected(Exception):
     """The client went away while its request was running."""
+
+
+class UpdateQueue(asyncio.Queue):
+    """A generation's node messages not yet read. An update that would take the tokens
+    waiting past `max_tokens` while `writer_blocked()` says the reader is stuck on its client
+    is dropped instead, `overflowed` is set (later updates are dropped too), and `on_overflow`
+    runs once, soon (not inside the node client's dispatch that called `put_nowait`).
+    Without `writer_blocked` (non-streaming answers) nothing is dropped."""
+
+    def __init__(self, max_tokens: int | None, on_overflow: Callable[[], None]) -> None:
+        super().__init__()
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self.overflowed = False
+        self.writer_blocked: Callable[[], bool] | None = None
+        self._on_overflow = on_overflow
+
+    def put_nowait(self, item: Any) -> None:
+        if self.overflowed:
+            return
+        tokens = len(getattr(item, "token_ids", ()))
+        if (
+            self.max_tokens is not None
+            and self.num_tokens + tokens > self.max_tokens
+            and self.writer_blocked is not None
+            and self.writer_blocked()
+        ):
+            self.overflowed = True
+            asyncio.get_running_loop().call_soon(self._on_overflow)
+            return
+        self.num_tokens += tokens
+        super().put_nowait(item)
+
+    def get_nowait(self) -> Any:
+        item = super().get_nowait()
+        self.num_tokens -= len(getattr(item, "token_ids", ()))
+        return item
 
 
 @dataclass
@@ -48,6 +94,7 @@ class _Choice:
     num_cached_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
+    queued: bool = False
     text_parts: list[str] = field(default_factory=list)
 
 
@@ -59,16 +106,21 @@ class Generation:
         client: NodeClient,
         tokenizer: Any,
         metrics: RouterMetrics,
+        admission: AdmissionQueue | None = None,
+        max_buffer_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.plan = plan
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.admission = admission
+        self.failure: APIError | None = None
+        self.queue = UpdateQueue(max_buffer_tokens, self._overflow)
         self.choices: list[_Choice] = []
         self._by_request_id: dict[str, _Choice] = {}
         self.poll_disconnect: Callable[[], Awaitable[bool]] | None = None
+        self._poll_at = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -84,13 +136,20 @@ class Generation:
         return max((c.num_cached_tokens for c in self.choices), default=0)
 
     def start(self) -> None:
-        """Submits every choice; 503 (after aborting those already sent) if one fails."""
+        """Takes the choices' places in the admission queue (429 when it is full), then
+        submits every choice; 503 (after aborting those already sent) if one fails. Nothing
+        here awaits, so the admission check and the submits happen in one event-loop turn."""
+        if self.admission is not None:
+            self.admission.admit(self.plan.n, self.prompt_tokens)
         for index, sampling in enumerate(self.plan.samplings):
             sub_id = f"{self.request_id}-{index}"
             try:
-                self.client.submit(sub_id, self.plan.prompt_ids, sampling, self.queue)
+                self.client.submit(
+                    sub_id, self.plan.prompt_ids, sampling, self.queue, self.plan.priority
+                )
             except (LookupError, RuntimeError) as error:
                 self.close()
+                self._leave_admission(self.plan.n - index)
                 raise APIError(503, f"No node can take the request now ({error}).") from None
             choice = _Choice(
                 index,
@@ -100,6 +159,7 @@ class Generation:
                 ),
                 StopStringMatcher(self.plan.stop),
                 time.monotonic(),
+                queued=self.admission is not None,
             )
             self.choices.append(choice)
             self._by_request_id[sub_id] = choice
@@ -107,9 +167,37 @@ class Generation:
     def close(self) -> None:
         """Aborts every sub-request that has not finished (idempotent, never blocks)."""
         for choice in self.choices:
+            self._started(choice)
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 self.client.abort(choice.request_id)
+
+    def _started(self, choice: _Choice) -> None:
+        """The choice leaves the admission queue (once)."""
+        if choice.queued:
+            choice.queued = False
+            self._leave_admission(1)
+
+    def _leave_admission(self, num_requests: int) -> None:
+        if self.admission is None:
+            return
+        for _ in range(num_requests):
+            self.admission.leave(self.prompt_tokens)
+
+    def _overflow(self) -> None:
+        """The client reads slower than the nodes generate and the buffer is full."""
+        if self.failure is not None or not self._unfinished():
+            return
+        self.failure = APIError(
+            408,
+            f"The client read the stream too slowly: {self.queue.max_tokens:,} tokens were "
+            "waiting to be sent, the most the server holds per stream; the request was aborted.",
+            code="stream_buffer_full",
+            kind="timeout_error",
+        )
+        self.metrics.error("stream_buffer_full")
+        self.close()
+        super(UpdateQueue, self.queue).put_nowait(None)  # wakes a reader waiting in _next
 
     def _unfinished(self) -> bool:
         return any(c.finish_reason is None for c in self.choices)
@@ -123,24 +211,35 @@ class Generation:
                 events = [e for e in map(self._handle, messages) if e is not None]
                 if events:
                     yield events
+            if self.failure is not None:
+                raise self.failure
         finally:
             self.close()
 
     async def _next(self) -> Any:
+        """The next node message. With `poll_disconnect`, asks it at least every
+        DISCONNECT_POLL_S, also while tokens keep arriving faster than that."""
         while True:
             poll = self.poll_disconnect
             if poll is None:
                 return await self.queue.get()
-            try:
-                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now >= self._poll_at:
+                self._poll_at = now + DISCONNECT_POLL_S
                 if await poll():
-                    raise ClientDisconnected from None
+                    raise ClientDisconnected
+            if not self.queue.empty():
+                return self.queue.get_nowait()
+            try:
+                return await asyncio.wait_for(self.queue.get(), self._poll_at - now)
+            except asyncio.TimeoutError:
+                pass
 
     def _handle(self, message: Any) -> ChoiceEvent | None:
-        choice = self._by_request_id.get(message.request_id)
+        choice = self._by_request_id.get(getattr(message, "request_id", None))
         if choice is None or choice.finish_reason is not None:
             return None
+        self._started(choice)
         if isinstance(message, RequestFailed):
             choice.finish_reason = "error"
             raise APIError(message.status, message.message)

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.protocol import NodeStats
+from router.scheduling_metrics import SchedulingCollector
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -66,6 +67,7 @@ class NodeTotalsCollector:
 
     def __init__(self) -> None:
         self.latest: dict[str, NodeStats] = {}
+        self.up: dict[str, tuple[str, bool]] = {}  # node -> (role, alive)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for name, documentation, field in _NODE_COUNTERS:
@@ -86,8 +88,19 @@ class NodeTotalsCollector:
         waiting = GaugeMetricFamily(
             "pdserve_queue_length", "Requests waiting, by node role", labels=["role"]
         )
+        leaked = GaugeMetricFamily(
+            "pdserve_kv_leaked_blocks",
+            "KV blocks in use on an idle node with nothing holding them (must stay 0)",
+            labels=["node"],
+        )
+        up = GaugeMetricFamily(
+            "pdserve_node_up", "1 while the node's heartbeats arrive in time", labels=["node", "role"]
+        )
+        for node, (role, alive) in self.up.items():
+            up.add_metric([node, role], 1.0 if alive else 0.0)
         by_role: dict[str, int] = {}
         for node, stats in self.latest.items():
+            leaked.add_metric([node], stats.num_leaked_blocks)
             cached.add_metric([node], stats.num_cached_blocks)
             queries = stats.prefix_cache_queries_total
             hit_ratio.add_metric(
@@ -99,6 +112,8 @@ class NodeTotalsCollector:
         yield cached
         yield hit_ratio
         yield waiting
+        yield leaked
+        yield up
 
 
 class RouterMetrics:
@@ -123,6 +138,7 @@ class RouterMetrics:
         )
         self.node_totals = NodeTotalsCollector()
         r.register(self.node_totals)
+        r.register(SchedulingCollector(self.node_totals.latest))
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -133,6 +149,11 @@ class RouterMetrics:
             "pdserve_request_success",
             "Choices finished, by finish reason",
             ["finish_reason"],
+            registry=r,
+        )
+        self.request_retries = Counter(
+            "pdserve_request_retries",
+            "Requests sent again after a node failed them before their first token",
             registry=r,
         )
         self.request_errors = Counter(
@@ -167,6 +188,9 @@ class RouterMetrics:
         used = (total - stats.num_free_blocks) / total if total > 0 else 0.0
         self.kv_cache_usage_ratio.labels(name).set(used)
         self.node_totals.latest[name] = stats
+
+    def observe_liveness(self, name: str, role: str, alive: bool) -> None:
+        self.node_totals.up[name] = (role, alive)
 
     def error(self, kind: str) -> None:
         self.request_errors.labels(kind).inc()

@@ -4,22 +4,33 @@ One PUSH socket per node address (a plain, non-blocking zmq socket, so `abort` i
 call that works even inside a cancelled task's `finally`), one PULL socket bound at the
 router's listen address (zmq.asyncio), and two tasks: the receiver, which dispatches every
 TokenUpdate (in output order) and RequestFailed to the queue of its request and records each
-node's NodeStats (its heartbeat, see node_registry.py), and the watchdog, which fails with a
-503 the in-flight requests of a node that stopped sending stats.
+node's NodeStats (its heartbeat, see node_registry.py), and the watchdog, which every
+WATCHDOG_INTERVAL_S notes the nodes that went down or came back, and hands every in-flight
+request that lost a node to the retry policy. A watchdog round that itself ran late (the
+router's event loop was stalled, so heartbeats may be sitting unread) judges nothing.
 
 With live decode nodes a request is disaggregated: Generate goes to a decode node (routing.py)
 naming the prefill node that computes the prompt; aborts go to both. Otherwise a colocated
 node serves it.
+
+Retry policy: a request is lost when its decode (or colocated) node goes down or restarts,
+when its prefill node does so before the first token came back, or when a node answers
+RequestFailed 503 (a KV transfer failed or timed out, no KV blocks in time). While no token of
+it has reached the client, a lost request is aborted on its nodes and sent again under a new
+node-side id (`<id>~<attempt>`, so nothing of the old attempt can be mistaken for the new) to
+live nodes, preferring a prefill node it has not failed on, at most `max_retries` times. Once a
+token has reached the client it is never retried: it fails with 503, which the client sees as
+an error event ending its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -28,6 +39,7 @@ import zmq.asyncio
 from engine.protocol import (
     Abort,
     Generate,
+    Heartbeat,
     NodeStats,
     ProtocolError,
     RequestFailed,
@@ -36,29 +48,13 @@ from engine.protocol import (
     decode,
     encode,
 )
+from router.inflight import InFlight
 from router.node_registry import NodeRegistry, NodeState
 from router.routing import PrefillRouter, pick_decode_node
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.25
-
-
-@dataclass
-class InFlight:
-    """A request sent to `node` (decode or colocated), and to `prefill` in disaggregated mode.
-
-    Updates are delivered to `queue` in output order: one arriving ahead of `next_offset` waits
-    in `early` (the first token comes from the prefill node, the rest from the decode node)."""
-
-    queue: asyncio.Queue
-    node: NodeState
-    prefill: NodeState | None = None
-    queued_tokens: int = 0
-    started: bool = False  # whether any token (or failure) arrived yet
-    next_offset: int = 0
-    early: dict[int, TokenUpdate] = field(default_factory=dict)
-    submitted_at: float = field(default_factory=time.monotonic)
 
 
 class NodeClient:
@@ -70,14 +66,23 @@ class NodeClient:
         on_stats: Callable[[NodeState], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         prefill_router: PrefillRouter | None = None,
+        max_retries: int = 2,
+        on_liveness: Callable[[NodeState], None] | None = None,
+        on_retry: Callable[[], None] | None = None,
     ) -> None:
-        self.registry = NodeRegistry(node_addresses, node_timeout_s, self._connect, clock)
+        self.registry = NodeRegistry(
+            node_addresses, node_timeout_s, self._connect, clock, on_restart=self._on_restart
+        )
         self.listen_address = listen_address
         self.node_timeout_s = node_timeout_s
         self.on_stats = on_stats
+        self.on_liveness = on_liveness
+        self.on_retry = on_retry
         self.clock = clock
         self.prefill_router = prefill_router or PrefillRouter()
+        self.max_retries = max_retries
         self.inflight: dict[str, InFlight] = {}
+        self._client_ids: dict[str, str] = {}  # a retry's node-side id -> the request's id
         self._sync_context: zmq.Context | None = None
         self._async_context: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
@@ -165,6 +170,7 @@ class NodeClient:
         prompt_ids: list[int],
         sampling: dict[str, Any],
         queue: asyncio.Queue | None = None,
+        priority: int = 0,
     ) -> asyncio.Queue:
         """Sends Generate to the best live node; updates arrive on the returned queue (pass
         one queue for several requests to read them merged). Raises LookupError when no node
@@ -174,42 +180,103 @@ class NodeClient:
             raise LookupError("no live node")
         if request_id in self.inflight:
             raise ValueError(f"request id {request_id!r} is in use")
-        entry = InFlight(queue if queue is not None else asyncio.Queue(), node)
-        message = Generate(request_id, prompt_ids, sampling)
-        if node.role == "decode":
-            entry.prefill, cached = self.prefill_router.pick(
-                self.registry.live("prefill"), prompt_ids
-            )
-            entry.queued_tokens = len(prompt_ids) - cached
-            message.prefill_address = entry.prefill.address
-        try:
-            node.socket.send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            raise RuntimeError("the node is not accepting requests") from None
-        if entry.prefill is not None:
-            self.prefill_router.queue(entry.prefill, entry.queued_tokens)
+        request = Generate(request_id, prompt_ids, sampling, priority=priority)
+        entry = InFlight(queue if queue is not None else asyncio.Queue(), node, request=request)
+        self._send(entry, node, request_id)
         entry.submitted_at = self.clock()
         self.inflight[request_id] = entry
         return entry.queue
 
+    def _send(self, entry: InFlight, node: NodeState, wire_id: str) -> None:
+        """Sends the entry's Generate as `wire_id` to `node`; a decode node is told which
+        prefill node computes the prompt (one this request has not failed on, if one is
+        alive). Raises RuntimeError when the node's socket cannot take the message."""
+        message = dataclasses.replace(entry.request, request_id=wire_id, prefill_address=None)
+        prefill, queued_tokens = None, 0
+        if node.role == "decode":
+            live = self.registry.live("prefill")
+            fresh = [n for n in live if n.address not in entry.failed_prefills] or live
+            prefill, cached = self.prefill_router.pick(fresh, message.prompt_token_ids)
+            queued_tokens = len(message.prompt_token_ids) - cached
+            message.prefill_address = prefill.address
+        try:
+            node.socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise RuntimeError("the node is not accepting requests") from None
+        entry.node, entry.prefill, entry.queued_tokens = node, prefill, queued_tokens
+        node.promised_blocks += -(-len(message.prompt_token_ids) // (node.stats.block_size or 16))
+        if prefill is not None:
+            self.prefill_router.queue(prefill, queued_tokens)
+
     def abort(self, request_id: str) -> None:
         """Forgets the request and tells its nodes to drop it (never blocks, never raises)."""
         entry = self._forget(request_id)
-        if entry is None:
-            return
+        if entry is not None:
+            self._abort_on_nodes(entry, entry.wire_id or request_id)
+
+    def _abort_on_nodes(self, entry: InFlight, wire_id: str) -> None:
         for node in (entry.node, entry.prefill):
             if node is None or node.socket is None:
                 continue
             try:
-                node.socket.send(encode(Abort(request_id)), zmq.NOBLOCK)
+                node.socket.send(encode(Abort(wire_id)), zmq.NOBLOCK)
             except zmq.ZMQError as error:
-                logger.warning("could not send Abort for %s: %s", request_id, error)
+                logger.warning("could not send Abort for %s: %s", wire_id, error)
+
+    def fail_all(self, message: str) -> None:
+        """Ends every in-flight request now with a 503 (`message`), aborting it on its nodes."""
+        for request_id, entry in list(self.inflight.items()):
+            self.abort(request_id)
+            entry.queue.put_nowait(RequestFailed(request_id, message, 503))
 
     def _forget(self, request_id: str) -> InFlight | None:
         entry = self.inflight.pop(request_id, None)
         if entry is not None:
             self._started(entry)
+            if entry.wire_id is not None:
+                self._client_ids.pop(entry.wire_id, None)
         return entry
+
+    def _lookup(self, wire_id: str) -> tuple[str, InFlight] | None:
+        """The request a node message is about, unless it is about an attempt given up."""
+        request_id = self._client_ids.get(wire_id, wire_id)
+        entry = self.inflight.get(request_id)
+        if entry is None or (entry.wire_id or request_id) != wire_id:
+            return None
+        return request_id, entry
+
+    def _lost(self, request_id: str, entry: InFlight, reason: str) -> None:
+        """The retry policy (module docstring): the request is sent again if it may be, else
+        it fails with 503 and `reason`."""
+        old_wire_id = entry.wire_id or request_id
+        self._abort_on_nodes(entry, old_wire_id)
+        if entry.prefill is not None:
+            entry.failed_prefills.add(entry.prefill.address)
+            if not entry.started:
+                self.prefill_router.dequeue(entry.prefill, entry.queued_tokens)
+                entry.queued_tokens = 0
+        node = self.live_node()
+        if not entry.started and entry.attempts <= self.max_retries and node is not None:
+            wire_id = f"{request_id}~{entry.attempts}"
+            try:
+                self._send(entry, node, wire_id)
+            except RuntimeError as error:
+                reason = f"{reason}; the retry failed: {error}"
+            else:
+                entry.attempts += 1
+                self._client_ids.pop(old_wire_id, None)
+                self._client_ids[wire_id] = request_id
+                entry.wire_id = wire_id
+                if self.on_retry is not None:
+                    self.on_retry()
+                via = f" via prefill node {entry.prefill.node_id}" if entry.prefill else ""
+                logger.warning(
+                    "request %s: %s; retrying on node %s%s", request_id, reason, node.node_id, via
+                )
+                return
+        logger.warning("request %s failed: %s", request_id, reason)
+        self._forget(request_id)
+        entry.queue.put_nowait(RequestFailed(request_id, reason, 503))
 
     def _started(self, entry: InFlight) -> None:
         if not entry.started:
@@ -233,22 +300,34 @@ class NodeClient:
                 logger.exception("failed to dispatch a %s message", type(message).__name__)
 
     def _dispatch(self, message: Any) -> None:
-        if isinstance(message, NodeStats):
+        if isinstance(message, Heartbeat):
+            self.registry.beat(message)
+        elif isinstance(message, NodeStats):
             self.record_stats(message)
         elif isinstance(message, TokenBatch):
             for update in message.updates:
                 self._deliver_in_order(update)
         elif isinstance(message, RequestFailed):
-            entry = self._forget(message.request_id)
-            if entry is not None:
-                entry.queue.put_nowait(message)
+            found = self._lookup(message.request_id)
+            if found is None:
+                return
+            request_id, entry = found
+            if message.status == 503:
+                self._lost(request_id, entry, message.message)
+                return
+            self._forget(request_id)
+            self._abort_on_nodes(entry, message.request_id)  # the other node may hold it too
+            message.request_id = request_id
+            entry.queue.put_nowait(message)
         else:
             logger.warning("dropped an unexpected %s message", type(message).__name__)
 
     def _deliver_in_order(self, update: TokenUpdate) -> None:
-        entry = self.inflight.get(update.request_id)
-        if entry is None or update.offset < entry.next_offset:
-            return  # aborted, unknown, or already delivered
+        found = self._lookup(update.request_id)
+        if found is None or update.offset < found[1].next_offset:
+            return  # aborted, unknown, an attempt given up, or already delivered
+        request_id, entry = found
+        update.request_id = request_id
         entry.early[update.offset] = update
         while entry.next_offset in entry.early:
             ready = entry.early.pop(entry.next_offset)
@@ -256,26 +335,48 @@ class NodeClient:
             entry.next_offset += len(ready.token_ids)
             entry.queue.put_nowait(ready)
             if ready.finish_reason is not None:
-                del self.inflight[update.request_id]
+                self._forget(request_id)
                 return
 
     async def _watchdog_loop(self) -> None:
+        interval = min(WATCHDOG_INTERVAL_S, self.node_timeout_s / 4)
+        last = self.clock()
         while True:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            await asyncio.sleep(interval)
+            now = self.clock()
+            late = now - last - interval
+            last = now
+            if late > self.node_timeout_s / 2:
+                logger.warning("the router was stalled for %.1f s; liveness judged next round", late)
+                continue
             self.fail_dead_nodes()
 
     def fail_dead_nodes(self) -> None:
-        """Fails (503) every in-flight request whose node stopped sending stats (for its
-        prefill node: before the first token came back)."""
+        """Notes liveness changes; every in-flight request whose decode (or colocated) node is
+        down, or whose prefill node is down before the first token came back, is lost."""
+        for node in self.registry.sweep():
+            if not node.up:
+                self.prefill_router.forget(node)
+            if self.on_liveness is not None:
+                self.on_liveness(node)
         now = self.clock()
         for request_id, entry in list(self.inflight.items()):
-            prefill_lost = (
+            if not entry.node.alive(now, self.node_timeout_s):
+                self._lost(request_id, entry, f"{_describe(entry.node)} stopped responding")
+            elif (
                 entry.prefill is not None
                 and not entry.started
                 and not entry.prefill.alive(now, self.node_timeout_s)
-            )
-            if prefill_lost or not entry.node.alive(now, self.node_timeout_s):
-                self.abort(request_id)
-                entry.queue.put_nowait(
-                    RequestFailed(request_id, "a node serving this request stopped", 503)
-                )
+            ):
+                self._lost(request_id, entry, f"{_describe(entry.prefill)} stopped responding")
+
+    def _on_restart(self, node: NodeState) -> None:
+        """A restarted node lost whatever its previous process held."""
+        self.prefill_router.forget(node)
+        for request_id, entry in list(self.inflight.items()):
+            if entry.node is node or (entry.prefill is node and not entry.started):
+                self._lost(request_id, entry, f"{_describe(node)} was restarted")
+
+
+def _describe(node: NodeState) -> str:
+    return f"the {node.role or 'unknown'} node {node.node_id or node.address}"

@@ -3,8 +3,13 @@ liveness, and the pairing check.
 
 A node is known from a configured address (`[ID=]tcp://host:port`, bound to the first
 heartbeat that claims it) or from a heartbeat carrying a `listen_address` the router has not
-seen (a node started on another host joins this way). It is alive while its NodeStats keep
-arriving within `node_timeout_s`. Its role (colocated, prefill, decode) comes from its stats.
+seen (a node started on another host joins this way). It is alive while its NodeStats or its
+Heartbeats (sent from a thread of their own every 0.5 s by default, during long engine steps
+too) keep arriving within `node_timeout_s` (`python -m router`: 1 s, two missed heartbeats); a
+Heartbeat counts only from the process whose NodeStats were seen. `sweep()` notes each change
+of liveness (one log line each). A heartbeat with a new `instance_id` under a known node id is
+a restarted node: `on_restart(node)` lets the caller drop what it had sent the previous
+process. Its role (colocated, prefill, decode) comes from its stats.
 
 Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
 block size); a node that differs in any of them is refused, with a message naming both values,
@@ -18,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.protocol import NodeStats
+from engine.protocol import Heartbeat, NodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ class NodeState:
     last_seen: float = float("-inf")
     socket: Any = None
     refused: str | None = None
+    up: bool = False  # liveness as of the last sweep()
+    promised_blocks: int = 0  # prompt blocks of requests sent since its last NodeStats
 
     @property
     def role(self) -> str | None:
@@ -59,6 +66,7 @@ class NodeRegistry:
         node_timeout_s: float,
         connect: Callable[[NodeState], None],
         clock: Callable[[], float],
+        on_restart: Callable[[NodeState], None] | None = None,
     ) -> None:
         self.nodes = [
             NodeState(address, node_id) for node_id, address in map(parse_node_spec, node_addresses)
@@ -66,6 +74,7 @@ class NodeRegistry:
         self.node_timeout_s = node_timeout_s
         self.connect = connect
         self.clock = clock
+        self.on_restart = on_restart
         self.reference: tuple[str, str, int] | None = None
 
     def live(self, role: str | None = None) -> list[NodeState]:
@@ -85,7 +94,8 @@ class NodeRegistry:
         if stats.role not in ROLES:
             logger.warning("node %s reports an unknown role %r", stats.node_id, stats.role)
             return None
-        if node.stats is None:
+        previous = node.stats
+        if previous is None:
             node.refused = self._pairing_problem(stats)
             if node.refused:
                 logger.error("refused node %s: %s", stats.node_id, node.refused)
@@ -93,7 +103,38 @@ class NodeRegistry:
                 logger.info("node %s (%s) joined at %s", stats.node_id, stats.role, node.address)
         node.stats = stats
         node.last_seen = self.clock()
+        node.promised_blocks = 0
+        if previous is not None and previous.instance_id != stats.instance_id:
+            logger.warning("node %s (%s) was restarted", stats.node_id, stats.role)
+            if self.on_restart is not None:
+                self.on_restart(node)
         return node
+
+    def sweep(self) -> list[NodeState]:
+        """Updates every node's `up`; logs and returns the nodes whose liveness changed."""
+        now = self.clock()
+        changed = []
+        for node in self.nodes:
+            alive = node.alive(now, self.node_timeout_s)
+            if alive == node.up:
+                continue
+            node.up = alive
+            changed.append(node)
+            if alive:
+                logger.info("node %s (%s) is up", node.node_id, node.role)
+            else:
+                silence = now - node.last_seen
+                logger.warning(
+                    "node %s (%s) is down: no heartbeat for %.1f s", node.node_id, node.role, silence
+                )
+        return changed
+
+    def beat(self, heartbeat: Heartbeat) -> None:
+        """A node process says it is alive (between its NodeStats)."""
+        node = next((n for n in self.nodes if n.node_id == heartbeat.node_id), None)
+        stats = node.stats if node is not None else None
+        if stats is not None and stats.instance_id == heartbeat.instance_id:
+            node.last_seen = self.clock()
 
     def _find(self, stats: NodeStats) -> NodeState | None:
         node = next((n for n in self.nodes if n.node_id == stats.node_id), None)

@@ -1,6 +1,8 @@
 """Which node gets a request.
 
 - Decode (and colocated) nodes: the most free KV blocks, then the fewest running requests.
+  Free blocks are the node's last report less the prompt blocks of the requests sent to it
+  since (`NodeState.promised_blocks`), so a burst between two reports spreads over the nodes.
 - Prefill nodes: the longest cached prefix, from a per-node index of the block hashes of the
   prompts the router sent there (chained hashes of block-sized runs of token ids, so two
   prompts share a hash exactly when they share every token up to the end of that block). The
@@ -23,7 +25,7 @@ from router.node_registry import NodeState
 def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:
     return max(
         nodes,
-        key=lambda n: (n.stats.num_free_blocks, -n.stats.num_running),
+        key=lambda n: (n.stats.num_free_blocks - n.promised_blocks, -n.stats.num_running),
         default=None,
     )
 
@@ -78,6 +80,11 @@ class PrefillRouter:
             known.move_to_end(value)
         while len(known) > self.max_blocks_per_node:
             known.popitem(last=False)
+
+    def forget(self, node: NodeState) -> None:
+        """The node went down or restarted: its cache is gone, and so is its queue."""
+        self.index.pop(node.address, None)
+        self.queued_tokens.pop(node.address, None)
 
     def queue(self, node: NodeState, num_tokens: int) -> None:
         self.queued_tokens[node.address] = self.queued_tokens.get(node.address, 0) + num_tokens

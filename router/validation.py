@@ -33,6 +33,7 @@ class Plan:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
 
     @property
     def n(self) -> int:
@@ -133,6 +134,44 @@ def resolve_max_tokens(
     return max_tokens
 
 
+@dataclass(frozen=True)
+class KVCapacity:
+    """The largest KV caches, in blocks, of the live nodes that would serve a request: decode
+    (or colocated) nodes hold prompt and completion, prefill nodes the prompt (None: no
+    prefill node is involved). 0 blocks or block size: not known yet, nothing is checked."""
+
+    block_size: int
+    serving_blocks: int
+    prefill_blocks: int | None = None
+
+
+def check_kv_capacity(plan: Plan, capacity: KVCapacity) -> None:
+    """400 for a request that fits the context length but no node's whole KV cache: it could
+    never be scheduled, so it is refused at once instead of waiting for blocks forever."""
+    block_size = capacity.block_size
+    if block_size < 1:
+        return
+    prompt = len(plan.prompt_ids)
+    max_tokens = max((s["max_tokens"] for s in plan.samplings), default=0)
+    needs = [
+        ("decode" if capacity.prefill_blocks is not None else "colocated", prompt + max_tokens,
+         capacity.serving_blocks, "prompt and completion"),
+    ]
+    if capacity.prefill_blocks is not None:
+        needs.append(("prefill", prompt + 1, capacity.prefill_blocks, "prompt"))
+    for role, tokens, blocks, what in needs:
+        needed = -(-tokens // block_size)
+        if blocks and needed > blocks:
+            raise invalid(
+                f"This request needs {needed:,} KV blocks of {block_size} tokens for its {what} "
+                f"({prompt:,} prompt tokens, {max_tokens:,} for the completion), but the "
+                f"largest KV cache of a live {role} node holds {blocks:,} blocks "
+                f"({blocks * block_size:,} tokens), so it can never be served. Please reduce "
+                "the length of the prompt or the completion.",
+                "max_tokens" if role != "prefill" else None,
+            )
+
+
 def samplings(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
 ) -> list[dict[str, Any]]:
@@ -171,7 +210,12 @@ def plan_completion(
         req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), max_model_len
     )
     return Plan(
-        ids, samplings(req, max_tokens, req.logprobs), stop, req.skip_special_tokens, req.logprobs
+        ids,
+        samplings(req, max_tokens, req.logprobs),
+        stop,
+        req.skip_special_tokens,
+        req.logprobs,
+        priority=req.priority,
     )
 
 
@@ -190,4 +234,11 @@ def plan_chat(
     ids = chat_prompt(req, tokenizer)
     check_prompt_ids(ids, vocab_size, "messages")
     max_tokens = resolve_max_tokens(requested, None, len(ids), max_model_len)
-    return Plan(ids, samplings(req, max_tokens, logprobs), stop, req.skip_special_tokens, logprobs)
+    return Plan(
+        ids,
+        samplings(req, max_tokens, logprobs),
+        stop,
+        req.skip_special_tokens,
+        logprobs,
+        priority=req.priority,
+    )

@@ -204,13 +204,14 @@ def test_context_length_is_checked(live):
 
 def test_too_many_waiting_requests_is_429(app, live):
     config = app.state.router.config
-    saved = config.max_waiting_requests
-    config.max_waiting_requests = 0
+    saved = config.max_queued_requests
+    config.max_queued_requests = 0
     try:
         r = live.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert_error(r, 429)
+        assert r.headers["retry-after"] == "1"
     finally:
-        config.max_waiting_requests = saved
+        config.max_queued_requests = saved
 
 
 def test_metrics_are_prometheus_text(client):

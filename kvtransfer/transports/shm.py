@@ -4,6 +4,7 @@ decode node which blocks and layers landed (Written)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import torch
@@ -37,7 +38,8 @@ class ShmReceiverTransport(ReceiverTransport):
         segment = self._segment
         if segment is None or kv_cache.buffer.data_ptr() != segment.payload.data_ptr():
             raise ValueError("the shm KV transport registers only the cache it allocated")
-        return {"segment": segment.path.name, "bytes": segment.payload.numel()}
+        # The owner's pid tells a restarted node's descriptor from its predecessor's.
+        return {"segment": segment.path.name, "bytes": segment.payload.numel(), "pid": os.getpid()}
 
     def close(self) -> None:
         if self._segment is not None:

@@ -1,0 +1,95 @@
+"""A node's heartbeat: a small `Heartbeat` message to the router from a thread of its own.
+
+NodeStats leave the node loop between engine steps, so a long step (a big prefill chunk) would
+silence them; the heartbeat thread keeps telling the router the node process is alive every
+`interval` seconds over its own PUSH socket (zmq sockets are never shared across threads; the
+context is), so the router can call a node dead after two missed heartbeats instead of after
+the longest step it might take.
+
+The node loop marks each iteration (`progress`). A loop that makes no progress for
+`stall_limit_s` (a wedged step) stops the heartbeat: the router then treats the node as dead
+and retries or fails its requests instead of letting their clients wait forever. Heartbeats are
+droppable: one the socket cannot take now is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from engine.protocol import Heartbeat, encode
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_SNDHWM = 8
+DEFAULT_STALL_LIMIT_S = 120.0
+
+
+class HeartbeatThread:
+    def __init__(
+        self,
+        context: zmq.Context,
+        router_address: str,
+        interval: float,
+        message: Heartbeat,
+        stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"heartbeat interval is {interval} s; expected a positive number")
+        self.context = context
+        self.router_address = router_address
+        self.interval = interval
+        self.message = message
+        self.stall_limit_s = stall_limit_s
+        self._progress_at = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def progress(self) -> None:
+        """The node loop finished an iteration (one float assignment: thread-safe)."""
+        self._progress_at = time.monotonic()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{self.message.node_id}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the thread and closes its socket (before the context is terminated)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        data = encode(self.message)
+        socket = self.context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, HEARTBEAT_SNDHWM)
+        socket.connect(self.router_address)
+        stalled = False
+        try:
+            while not self._stop.wait(self.interval):
+                stalled_now = time.monotonic() - self._progress_at > self.stall_limit_s
+                if stalled_now != stalled:
+                    stalled = stalled_now
+                    if stalled:
+                        logger.error(
+                            "node %s made no progress for %.0f s: heartbeats stop until it does",
+                            self.message.node_id,
+                            self.stall_limit_s,
+                        )
+                    else:
+                        logger.warning("node %s makes progress again", self.message.node_id)
+                if stalled:
+                    continue
+                try:
+                    socket.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        finally:
+            socket.close(linger=0)

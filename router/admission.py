@@ -1,0 +1,84 @@
+"""The router's admission queue: sub-requests it accepted that have not started yet (no token
+back from a node, so they wait for KV blocks, a prefill node or a transfer), counted with
+their prompt tokens.
+
+Two checks, both answered 429 with an OpenAI error body and `Retry-After`:
+  check_room()  first thing in a generation route, before the body is read, parsed or
+                tokenized: is the queue already at one of its bounds? (cheap rejection under
+                overload)
+  admit(n, k)   after tokenization, in the same event-loop turn as the submit (no await in
+                between, so concurrent requests cannot all squeeze past the bound): would n
+                more sub-requests of k prompt tokens each pass a bound? A request that alone
+                exceeds the token bound is admitted only into an empty queue.
+Each admitted sub-request leaves the queue once (`leave`) at its first token, its end or its
+abort, whichever comes first. The bounds are read from the config at every check.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from router.config import RouterConfig
+from router.errors import APIError
+
+
+class AdmissionQueue:
+    def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.num_requests = 0
+        self.num_tokens = 0
+        self._gauges = None
+        if registry is not None:
+            self._gauges = (
+                Gauge(
+                    "pdserve_router_queued_requests",
+                    "Sub-requests admitted by the router and not started yet",
+                    registry=registry,
+                ),
+                Gauge(
+                    "pdserve_router_queued_tokens",
+                    "Prompt tokens of the sub-requests admitted and not started yet",
+                    registry=registry,
+                ),
+            )
+
+    def check_room(self) -> None:
+        config = self.config
+        if self.num_requests >= config.max_queued_requests:
+            raise self._busy(f"{self.num_requests:,} requests are queued")
+        if self.num_tokens >= config.max_queued_tokens:
+            raise self._busy(f"{self.num_tokens:,} prompt tokens are queued")
+
+    def admit(self, num_requests: int, num_prompt_tokens: int) -> None:
+        config = self.config
+        tokens = num_requests * num_prompt_tokens
+        if self.num_requests + num_requests > config.max_queued_requests:
+            raise self._busy(
+                f"{self.num_requests:,} requests are queued and this one adds {num_requests}"
+            )
+        if self.num_requests and self.num_tokens + tokens > config.max_queued_tokens:
+            raise self._busy(
+                f"{self.num_tokens:,} prompt tokens are queued and this request adds {tokens:,}"
+            )
+        self.num_requests += num_requests
+        self.num_tokens += tokens
+        self._publish()
+
+    def leave(self, num_prompt_tokens: int) -> None:
+        self.num_requests -= 1
+        self.num_tokens -= num_prompt_tokens
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._gauges is not None:
+            self._gauges[0].set(self.num_requests)
+            self._gauges[1].set(self.num_tokens)
+
+    def _busy(self, what: str) -> APIError:
+        config = self.config
+        return APIError(
+            429,
+            f"The server is overloaded: {what} (limits: {config.max_queued_requests:,} requests, "
+            f"{config.max_queued_tokens:,} prompt tokens). Try again later.",
+            code="rate_limit_exceeded",
+        )

@@ -1,0 +1,171 @@
+"""Helpers for fault-injection tests against a real `pdserve serve`: streaming clients that time
+every event, the launcher's child processes, and the leak check every scenario ends with.
+
+`assert_no_leaked_blocks(url)` waits until every live node's KV cache is idle again (usage 0)
+and asserts that none reports leaked blocks (`pdserve_kv_leaked_blocks`, from each node's
+idle-time integrity check), nor was found out of integrity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+SHM_DIR = Path("/dev/shm")
+
+
+def metric(url: str, name: str, label: str = "node") -> dict[str, float]:
+    return parse_metric(httpx.get(f"{url}/metrics", timeout=10).text, name, label)
+
+
+def parse_metric(text: str, name: str, label: str = "node") -> dict[str, float]:
+    return {
+        sample.labels.get(label, ""): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def live_nodes(url: str) -> set[str]:
+    return {node for node, up in metric(url, "pdserve_node_up").items() if up == 1.0}
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1) -> float:
+    """Polls `predicate` until true; returns the seconds it took; fails naming `what`."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout} s"
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def assert_no_leaked_blocks(url: str, timeout: float = 20.0) -> None:
+    """Every live node's KV usage returns to 0 and its leak check reports 0 leaked blocks."""
+    time.sleep(1.0)  # two heartbeats: no stats from before the requests ended remain
+
+    def idle() -> bool:
+        usage = metric(url, "pdserve_kv_cache_usage_ratio")
+        return all(usage.get(node, 0.0) == 0.0 for node in live_nodes(url))
+
+    wait_until(idle, timeout, "KV blocks returning on every live node")
+    time.sleep(1.0)  # the leak check runs once per heartbeat interval while a node is idle
+    leaked = metric(url, "pdserve_kv_leaked_blocks")
+    assert all(leaked[node] == 0.0 for node in live_nodes(url)), leaked
+
+
+@dataclass
+class StreamResult:
+    status: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token_at: float | None = None
+    ended_at: float = 0.0
+    events: int = 0
+    done: bool = False  # the `data: [DONE]` line arrived
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def completed(self) -> bool:
+        return self.status == 200 and self.error is None and self.finish_reason is not None
+
+
+async def stream_completion(
+    http: httpx.AsyncClient, body: dict, result: StreamResult | None = None
+) -> StreamResult:
+    """One streaming completion, every event timed into `result` as it arrives (so a test can
+    watch streams in progress); never raises for an HTTP or SSE error."""
+    result = result if result is not None else StreamResult()
+    try:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = (await r.aread()).decode(errors="replace")
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    result.done = True
+                    break
+                payload = json.loads(line[len("data: "):])
+                result.events += 1
+                if "error" in payload:
+                    result.error = payload["error"]["message"]
+                    continue
+                choice = payload["choices"][0]
+                if choice["text"]:
+                    now = time.monotonic()
+                    result.first_token_at = result.first_token_at or now
+                    result.token_times.append(now)
+                result.text += choice["text"]
+                result.finish_reason = choice["finish_reason"] or result.finish_reason
+    except httpx.HTTPError as error:
+        result.error = f"{type(error).__name__}: {error}"
+    finally:
+        result.ended_at = time.monotonic()
+    return result
+
+
+def completion_texts(url: str, bodies: list[dict]) -> list[str]:
+    """Non-streaming completions, all at once; every one must succeed."""
+
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+            async def one(body: dict) -> str:
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                return response.json()["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    return asyncio.run(main())
+
+
+def children_of(pid: int) -> list[int]:
+    result = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+    return [int(line) for line in result.stdout.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def node_pids(launcher_pid: int) -> dict[str, int]:
+    """The launcher's children by node id (`router` for the router)."""
+    pids = {}
+    for pid in children_of(launcher_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        args = [a.decode() for a in argv]
+        name = args[args.index("--node-id") + 1] if "--node-id" in args else "router"
+        pids[name] = pid
+    return pids
+
+
+def kill9(pid: int) -> float:
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def kv_segments(port: int) -> list[str]:
+    """The shared-memory KV segments of the deployment serving on `port`."""
+    return sorted(p.name for p in SHM_DIR.glob(f"pdserve-kv-*.{port}"))
