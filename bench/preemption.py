@@ -37,6 +37,7 @@ class Job:
     prompt: list[int]
     max_tokens: int
     stop_after: int  # the output length at which the request ends (<= max_tokens)
+    ignore_eos: bool = True
 
 
 @dataclass
@@ -58,7 +59,9 @@ def run(config: EngineConfig, jobs: list[Job], name: str) -> Run:
     engine = LLMEngine(config)
     started = time.perf_counter()
     for index, job in enumerate(jobs):
-        params = SamplingParams(temperature=0, max_tokens=job.max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0, max_tokens=job.max_tokens, ignore_eos=job.ignore_eos
+        )
         engine.add_request(str(index), job.prompt, params)
     outputs: list[list[int]] = [[] for _ in jobs]
     finished: list[float] = [0.0] * len(jobs)
@@ -112,7 +115,7 @@ def admission_workload(args: argparse.Namespace) -> list[Job]:
     jobs = []
     for _ in range(count):
         length = min(512, max(4, round(rng.lognormvariate(3.5, 0.8))))
-        jobs.append(Job(random_prompt(rng, rng.randrange(32, 96)), 512, length))
+        jobs.append(Job(random_prompt(rng, rng.randrange(32, 96)), 512, length, False))
     return jobs
 
 
@@ -130,13 +133,32 @@ def compare_cures(args: argparse.Namespace) -> dict[str, list[Run]]:
     results = {}
     for workload, jobs in cure_workloads(args).items():
         blocks = args.blocks_long_prompt if "long prompt" in workload else args.blocks_long_output
-        runs = []
-        for mode in ("recompute", "swap", "auto"):
-            config = engine_config(args, num_kv_blocks=blocks, preemption_mode=mode)
-            runs.append(run(config, jobs, mode))
-            say(f"{workload}, {mode}: {runs[-1].throughput:.1f} tok/s, {runs[-1].preemptions}")
-        results[workload] = runs
+        modes = ["recompute", "swap", "auto"]
+        repeats: dict[str, list[Run]] = {mode: [] for mode in modes}
+        for repeat in range(args.repeats):  # interleaved, order rotated: no mode always first
+            for mode in modes[repeat % 3 :] + modes[: repeat % 3]:
+                config = engine_config(args, num_kv_blocks=blocks, preemption_mode=mode)
+                runs = repeats[mode]
+                runs.append(run(config, jobs, mode))
+                say(f"{workload}, {mode}: {runs[-1].throughput:.1f} tok/s, {runs[-1].preemptions}")
+        results[workload] = [mean_run(runs) for runs in repeats.values()]
     return results
+
+
+def mean_run(runs: list[Run]) -> Run:
+    """The repeats of one mode: mean time and P99 latency (tokens are checked identical)."""
+    if any(r.outputs != runs[0].outputs for r in runs):
+        raise RuntimeError(f"{runs[0].name}: repeats produced different tokens")
+    first = runs[0]
+    return Run(
+        first.name,
+        sum(r.seconds for r in runs) / len(runs),
+        first.output_tokens,
+        sum(r.p99_latency for r in runs) / len(runs),
+        sum(r.mean_running for r in runs) / len(runs),
+        first.preemptions,
+        first.outputs,
+    )
 
 
 def compare_admission(args: argparse.Namespace) -> list[Run]:
@@ -185,7 +207,8 @@ def build_report(args, machine, cures: dict[str, list[Run]], admission: list[Run
         "",
         (
             "Every request arrives at once; prefix caching off; greedy; throughput is output "
-            "tokens per second; ratio is against the better fixed mode."
+            f"tokens per second, the mean of {args.repeats} runs per mode (interleaved, in "
+            "rotated order); ratio is against the better fixed mode."
         ),
     ]
     for workload, runs in cures.items():
@@ -211,9 +234,10 @@ def build_report(args, machine, cures: dict[str, list[Run]], admission: list[Run
         ),
         "",
         (
-            "max_tokens 512; each request ends at a lognormal length (median ~33 tokens) as a "
-            "stop string would end it; predicted admission reserves the 0.9 quantile of "
-            "observed fractions of max_tokens (worst case until 16 requests have finished)."
+            "max_tokens 512; each request ends at the model's EOS or at a lognormal length "
+            "(median ~33 tokens) as a stop string would end it; predicted admission reserves "
+            "the 0.9 quantile of observed fractions of max_tokens (worst case until 16 "
+            "requests have finished)."
         ),
         "",
         md_table(
@@ -243,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks-long-output", type=int, default=80)
     parser.add_argument("--blocks-admission", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per preemption mode")
     parser.add_argument("--quick", action="store_true", help="a smoke run; writes nothing")
     args = parser.parse_args(argv)
     machine = machine_info()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import command_line
+from bench.machine import command_line, machine_info
 from bench.report import md_table
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
@@ -151,11 +151,16 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for name, o in outcomes.items()
     ]
+    machine = machine_info()
     text = (
         "\n\n".join(
             [
                 "# Batching and KV layout, simulated",
-                f"Command: `{command_line()}`",
+                (
+                    f"Command: `{command_line()}`  \nMachine: {machine['cpu']}, "
+                    f"{machine['cores']}; date: {machine['date']} (step counts do not depend on "
+                    "the machine)"
+                ),
                 (
                     f"{args.requests} requests, Poisson arrivals at {args.rate} per step, prompts "
                     "log-normal (median ~180 tokens, at most 2,048), outputs log-normal (median ~120, "
