@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-timeout", type=float, default=30.0, metavar="SECONDS")
     args = parser.parse_args(argv)
 
-    def build(config):
+    def build(config, cluster_auth):
         if args.role == "colocated":
             from decode_node.colocated import ColocatedNode
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.router,
                 args.heartbeat_interval,
                 args.advertise,
+                cluster_auth,
             )
         from decode_node.decode import DecodeNode
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             args.transfer_timeout,
             args.heartbeat_interval,
             args.advertise,
+            cluster_auth,
         )
 
     return run_node(args, build)

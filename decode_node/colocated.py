@@ -13,6 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from engine.cluster_auth import ClusterAuth
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.node_runtime import NodeRuntime
@@ -40,6 +41,7 @@ class ColocatedNode(NodeRuntime):
         router_address: str,
         heartbeat_interval: float = 0.5,
         advertise_address: str | None = None,
+        cluster_auth: ClusterAuth | None = None,
     ) -> None:
         super().__init__(
             build_engine(engine),
@@ -48,6 +50,7 @@ class ColocatedNode(NodeRuntime):
             router_address,
             heartbeat_interval,
             advertise_address,
+            cluster_auth=cluster_auth,
         )
         self.active: set[str] = set()
         self.prompt_tokens_total = 0

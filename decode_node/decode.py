@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decode_node.colocated import ColocatedNode, build_engine
+from engine.cluster_auth import ClusterAuth
 from engine.config import EngineConfig
 from engine.node_runtime import IDLE_POLL_MS
 from engine.protocol import (
@@ -79,13 +80,20 @@ class DecodeNode(ColocatedNode):
         transfer_timeout_s: float = 30.0,
         heartbeat_interval: float = 0.5,
         advertise_address: str | None = None,
+        cluster_auth: ClusterAuth | None = None,
     ) -> None:
         self.receiver = ChannelReceiver(
-            transport, ReceiverConfig(node_id=node_id, bind_address=kv_bind_address)
+            transport,
+            ReceiverConfig(
+                node_id=node_id,
+                bind_address=kv_bind_address,
+                cluster_auth=cluster_auth or ClusterAuth.none(),
+            ),
         )
         engine = build_engine(engine_config, kv_cache_factory=self.receiver.allocate_kv_cache)
         super().__init__(
-            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address
+            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address,
+            cluster_auth=cluster_auth,
         )
         self.fingerprint = model_fingerprint(engine.model_config)
         self.descriptor = self.receiver.register(engine.runner.kv_cache, self.fingerprint)

@@ -4,7 +4,9 @@ NodeStats leave the node loop between engine steps, so a long step (a big prefil
 silence them; the heartbeat thread keeps telling the router the node process is alive every
 `interval` seconds over its own PUSH socket (zmq sockets are never shared across threads; the
 context is), so the router can call a node dead after two missed heartbeats instead of after
-the longest step it might take.
+the longest step it might take. The thread also watches that socket's handshakes: a router
+that refuses them (its cluster secret differs from the node's, or only one side has one) never
+hears the node, and the node logs that once, as an error naming `--cluster-secret`.
 
 The node loop marks each iteration (`progress`). A loop that makes no progress for
 `stall_limit_s` (a wedged step) stops the heartbeat: the router then treats the node as dead
@@ -19,13 +21,20 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from engine.cluster_auth import ClusterAuth
 from engine.protocol import Heartbeat, encode
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SNDHWM = 8
 DEFAULT_STALL_LIMIT_S = 120.0
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
 
 
 class HeartbeatThread:
@@ -36,6 +45,7 @@ class HeartbeatThread:
         interval: float,
         message: Heartbeat,
         stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
+        cluster_auth: ClusterAuth | None = None,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"heartbeat interval is {interval} s; expected a positive number")
@@ -44,7 +54,9 @@ class HeartbeatThread:
         self.interval = interval
         self.message = message
         self.stall_limit_s = stall_limit_s
+        self.cluster_auth = cluster_auth or ClusterAuth.none()
         self._progress_at = time.monotonic()
+        self._handshake_failing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,13 +79,18 @@ class HeartbeatThread:
 
     def _run(self) -> None:
         data = encode(self.message)
-        socket = self.context.socket(zmq.PUSH)
+        socket = self.cluster_auth.secure_client(self.context.socket(zmq.PUSH))
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, HEARTBEAT_SNDHWM)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED
+        for event in HANDSHAKE_FAILURES:
+            events |= event
+        monitor = socket.get_monitor_socket(events)
         socket.connect(self.router_address)
         stalled = False
         try:
             while not self._stop.wait(self.interval):
+                self._note_handshakes(monitor)
                 stalled_now = time.monotonic() - self._progress_at > self.stall_limit_s
                 if stalled_now != stalled:
                     stalled = stalled_now
@@ -92,4 +109,26 @@ class HeartbeatThread:
                 except zmq.Again:
                     pass
         finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
             socket.close(linger=0)
+
+    def _note_handshakes(self, monitor: zmq.Socket) -> None:
+        """Logs when the router starts refusing this node's handshakes, and when it stops."""
+        while monitor.poll(0):
+            failing = recv_monitor_message(monitor)["event"] in HANDSHAKE_FAILURES
+            if failing == self._handshake_failing:
+                continue
+            self._handshake_failing = failing
+            if failing:
+                logger.error(
+                    "node %s: the router at %s refuses the connection handshake, so it does "
+                    "not hear this node: the router and every node need the same "
+                    "--cluster-secret, or none of them any",
+                    self.message.node_id,
+                    self.router_address,
+                )
+            else:
+                logger.warning(
+                    "node %s: the router accepts its handshake again", self.message.node_id
+                )

@@ -2,19 +2,23 @@
 
 `python -m decode_node` (colocated or decode) and `python -m prefill_node` build their parser
 with `node_parser`, then call `run_node(args, build)`: logging to stderr at INFO, SIGTERM and
-SIGINT handlers installed before the (slow) model load, then `build(config)` makes the node and
-`run()` serves until a signal; the exit status is 0, or 2 for invalid settings.
+SIGINT handlers installed before the (slow) model load, then `build(config, cluster_auth)`
+makes the node and `run()` serves until a signal; the exit status is 0, or 2 for invalid
+settings. The cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here,
+once; without one every address the node binds, advertises or dials must be a loopback one.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from engine.cluster_auth import SECRET_ENV, ClusterAuth
 from engine.config import EngineConfig
 
 _ENGINE_OPTIONS = (
@@ -72,6 +76,11 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
         help="seconds of waiting worth one priority level (0: strict priorities)",
     )
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
+    parser.add_argument(
+        "--cluster-secret", default=os.environ.get(SECRET_ENV) or None, metavar="SECRET",
+        help=f"shared by the router and every node (default: ${SECRET_ENV}); needed for "
+        "any address that is not a loopback one",
+    )
     return parser
 
 
@@ -86,7 +95,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def run_node(args: argparse.Namespace, build: Callable[[EngineConfig], Any]) -> int:
+def cluster_auth(args: argparse.Namespace) -> ClusterAuth:
+    """ValueError for a bad secret, or for a non-loopback address without a secret."""
+    auth = ClusterAuth.from_secret(args.cluster_secret)
+    auth.check_addresses(
+        [
+            ("--listen", args.listen),
+            ("--advertise", args.advertise),
+            ("--router", args.router),
+            ("--kv-listen", getattr(args, "kv_listen", None)),
+        ]
+    )
+    return auth
+
+
+def run_node(
+    args: argparse.Namespace, build: Callable[[EngineConfig, ClusterAuth], Any]
+) -> int:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -108,12 +133,13 @@ def run_node(args: argparse.Namespace, build: Callable[[EngineConfig], Any]) -> 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        auth = cluster_auth(args)
         config = engine_config(args)
     except ValueError as error:
         logger.error("invalid settings: %s", error)
         return 2
     logger.info("loading model %s", config.model or "(default)")
-    node = build(config)
+    node = build(config, auth)
     if not signals:
         node.run()
     logger.info("exiting on %s", signal.Signals(signals[0]).name if signals else "stop")

@@ -20,6 +20,8 @@ Loop (`run()` until `stop()`):
      NodeStats reports it as `num_leaked_blocks` (the router exports it; it must stay 0).
 Sends never block: messages a PUSH socket cannot take now wait in one ordered outbox and are
 retried every iteration; NodeStats are skipped while the outbox is not empty.
+With a cluster secret (`cluster_auth`, engine/cluster_auth.py) the PULL socket is a CURVE
+server and every PUSH a CURVE client: only holders of the secret reach the node, or are reached.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, ClassVar
 
 import zmq
 
+from engine.cluster_auth import ClusterAuth
 from engine.heartbeat import DEFAULT_STALL_LIMIT_S, HeartbeatThread
 from engine.llm_engine import LLMEngine
 from engine.protocol import Heartbeat, NodeStats, ProtocolError, decode, encode
@@ -55,8 +58,10 @@ class NodeRuntime:
         heartbeat_interval: float = 0.5,
         advertise_address: str | None = None,
         stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
+        cluster_auth: ClusterAuth | None = None,
     ) -> None:
         self.engine = engine
+        self.cluster_auth = cluster_auth or ClusterAuth.none()
         self.node_id = node_id
         self.instance_id = uuid.uuid4().hex[:16]
         self.listen_address = listen_address
@@ -103,14 +108,15 @@ class NodeRuntime:
 
     def run(self) -> None:
         self._context = zmq.Context()
-        self._pull = self._context.socket(zmq.PULL)
-        self._push = self._context.socket(zmq.PUSH)
+        self._pull = self.cluster_auth.secure_server(self._context.socket(zmq.PULL))
+        self._push = self.cluster_auth.secure_client(self._context.socket(zmq.PUSH))
         heartbeat = HeartbeatThread(
             self._context,
             self.router_address,
             self.heartbeat_interval,
             Heartbeat(self.node_id, self.instance_id),
             self.stall_limit_s,
+            self.cluster_auth,
         )
         try:
             self._pull.bind(self.listen_address)
@@ -231,7 +237,7 @@ class NodeRuntime:
     def _peer(self, address: str) -> Any:
         socket = self._peers.get(address)
         if socket is None:
-            socket = self._context.socket(zmq.PUSH)
+            socket = self.cluster_auth.secure_client(self._context.socket(zmq.PUSH))
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
             self._peers[address] = socket

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.cluster_auth import ClusterAuth
 from kvtransfer.transports.base import WriteStep
 
 
@@ -17,12 +18,14 @@ class SenderConfig:
     each parallel region, and at equal priority the scheduler ran the just-woken I/O thread and
     the decode process first: `write` then returned only after the whole chunk was copied
     (2.5 ms a chunk on this project's 2-core machine). At +10 it returns in 0.1 ms and the copy
-    runs behind the next chunk's forward."""
+    runs behind the next chunk's forward. With a cluster secret (`cluster_auth`) the channel's
+    DEALER is a CURVE client: it reaches only a decode node that holds the secret."""
 
     grant_timeout_s: float = 5.0
     max_inflight_bytes: int = 64 << 20
     step_bytes: int = 4 << 20
     io_thread_niceness: int = 10
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.io_thread_niceness <= 19:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 
+from engine.cluster_auth import ClusterAuth
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import KVReceiver, TransferEvent, TransferKind
 from kvtransfer.descriptor import KVDescriptor
@@ -55,10 +56,14 @@ MAX_MESSAGES_PER_ROUND = 64
 
 @dataclass(frozen=True)
 class ReceiverConfig:
+    """With a cluster secret (`cluster_auth`) the ROUTER socket is a CURVE server: only
+    holders of the secret can connect."""
+
     node_id: str
     bind_address: str = "tcp://127.0.0.1:0"
     advertise_host: str | None = None
     release_grace_s: float = 1.0
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
 
     def __post_init__(self) -> None:
         if not NODE_ID_PATTERN.fullmatch(self.node_id):
@@ -169,7 +174,7 @@ class ChannelReceiver(KVReceiver):
 
     def _serve(self, endpoint: list[str]) -> None:
         context = zmq.Context()
-        socket = context.socket(zmq.ROUTER)
+        socket = self.config.cluster_auth.secure_server(context.socket(zmq.ROUTER))
         try:
             socket.setsockopt(zmq.LINGER, 0)
             max_frame = self._kv_cache.num_blocks * self._kv_cache.spec.bytes_per_block

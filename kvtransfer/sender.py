@@ -95,7 +95,7 @@ class ChannelSender(KVSender):
         # Created here so a bad address fails connect(); from start() on only the I/O thread
         # touches the socket (thread start is the memory barrier zmq asks for on hand-over).
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        self._socket = self.config.cluster_auth.secure_client(self._context.socket(zmq.DEALER))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
         try:

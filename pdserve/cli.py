@@ -216,7 +216,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.launcher import serve
+    from pdserve.launcher import check_cluster_settings, serve
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode need at least one node each")
@@ -230,6 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.drain_timeout < 0:
         raise ValueError("--drain-timeout must be 0 or more")
+    check_cluster_settings(args)
     return serve(args)
 
 
@@ -307,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     _prefix_cache_args(serve, default_min_blocks=None)
     _scheduling_args(serve)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    serve.add_argument(
+        "--cluster-secret",
+        default=os.environ.get("PDSERVE_CLUSTER_SECRET") or None,
+        metavar="SECRET",
+        help="secures the ZeroMQ links between router and nodes (default: "
+        "$PDSERVE_CLUSTER_SECRET, else a random one for this run's own processes)",
+    )
     _failure_args(serve)
     _router_limit_args(serve)
     serve.set_defaults(run=cmd_serve)

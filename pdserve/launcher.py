@@ -17,12 +17,17 @@ calls one dead after `--node-timeout` (default: two intervals).
 SIGTERM drains: the router answers 503 to new requests while those in flight finish (at most
 `--drain-timeout` seconds), then the nodes stop, and every child has exited and every
 shared-memory segment is gone before the launcher exits 0. SIGINT stops without draining.
+
+Every ZeroMQ link between the children is secured by a cluster secret (engine/cluster_auth.py):
+`--cluster-secret`, else a random one made for this run. Children get it in their environment,
+never on their command line (which `ps` shows to every user).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -71,6 +76,20 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     if args.priority_aging_s is not None:
         flags += ["--priority-aging-seconds", str(args.priority_aging_s)]
     return flags
+
+
+def check_cluster_settings(args: argparse.Namespace) -> None:
+    """ValueError for a bad secret, or for a router others should join without one to share."""
+    from engine.cluster_auth import check_secret, is_loopback
+
+    if args.cluster_secret is not None:
+        check_secret(args.cluster_secret)
+    elif args.router_listen and not is_loopback(args.router_listen):
+        raise ValueError(
+            f"--router-listen {args.router_listen} is not a loopback address: give "
+            "--cluster-secret (or PDSERVE_CLUSTER_SECRET), which nodes started elsewhere "
+            "need to join"
+        )
 
 
 def wait_healthy(url: str, exited: Callable[[], bool], timeout_s: float) -> None:
@@ -157,6 +176,7 @@ def serve(args: argparse.Namespace) -> int:
         model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
     router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"
     nodes = plan_nodes(args, model, router_address)
+    secret_env = {"PDSERVE_CLUSTER_SECRET": args.cluster_secret or secrets.token_urlsafe(32)}
     deployment = Deployment(restart_nodes=args.restart_nodes)
     node_timeout = args.node_timeout or 2 * args.heartbeat_interval
     stopping: list[int] = []
@@ -167,7 +187,7 @@ def serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for node in nodes:
-            deployment.start(node.name, node.argv, node.env)
+            deployment.start(node.name, node.argv, {**node.env, **secret_env})
         router_argv = [
             sys.executable,
             "-m",
@@ -194,12 +214,16 @@ def serve(args: argparse.Namespace) -> int:
         for name in ROUTER_LIMITS:  # queue and stream bounds (router/config.py)
             if getattr(args, name, None) is not None:
                 router_argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        deployment.start("router", router_argv, is_node=False)
+        deployment.start("router", router_argv, secret_env, is_node=False)
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
         layout = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(f"pdserve is serving {model} at {url}/v1 ({layout})", flush=True)
-        print(f"nodes started elsewhere join with --router {router_address}", flush=True)
+        secret = "the same --cluster-secret" if args.cluster_secret else (
+            "a --cluster-secret this deployment shares (it made its own: give one to share)"
+        )
+        print(f"nodes started elsewhere join with --router {router_address} and {secret}",
+              flush=True)
         while not stopping:
             problem = deployment.watch()
             if problem is not None:

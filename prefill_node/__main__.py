@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-transport", default="shm", choices=("shm", "zmq", "cuda_ipc"))
     args = parser.parse_args(argv)
 
-    def build(config):
+    def build(config, cluster_auth):
         from engine.llm_engine import LLMEngine
         from prefill_node.node import PrefillNode
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             args.kv_transport,
             args.heartbeat_interval,
             args.advertise,
+            cluster_auth,
         )
 
     return run_node(args, build)

@@ -13,7 +13,8 @@ Lifecycle of a request (the loop is node_runtime.py's):
   first token     to the router as a TokenUpdate with offset 0, and PrefillDone to the decode
                   node; the prompt's blocks stay in the prefix cache.
   transfer event  COMPLETE or FAILED from the sender: the written source blocks are released;
-                  on FAILED the router gets RequestFailed 503 naming the request.
+                  on FAILED before the first token the router gets RequestFailed 503 naming
+                  the request (after it, the decode node reports its side's failure).
   Abort           from the router: the request ends here and its transfer is aborted.
 Requests the decode node stops waiting for end at its deadline on both sides.
 """
@@ -25,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.cluster_auth import ClusterAuth
 from engine.llm_engine import LLMEngine
 from engine.node_runtime import NodeRuntime
 from engine.protocol import (
@@ -36,7 +38,7 @@ from engine.protocol import (
     TokenUpdate,
 )
 from engine.sampling_params import SamplingParams
-from kvtransfer import ChannelSender, KVDescriptor, KVSender, TransferKind
+from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
 from kvtransfer.fingerprint import model_fingerprint
 from prefill_node.prefill_engine import FirstToken, PrefillEngine
 
@@ -50,6 +52,7 @@ class _Request:
     num_prompt_tokens: int
     aborted: bool = False
     first_write_at: float | None = None
+    first_token_sent: bool = False
 
 
 class PrefillNode(NodeRuntime):
@@ -64,9 +67,11 @@ class PrefillNode(NodeRuntime):
         transport: str,
         heartbeat_interval: float = 0.5,
         advertise_address: str | None = None,
+        cluster_auth: ClusterAuth | None = None,
     ) -> None:
         super().__init__(
-            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address
+            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address,
+            cluster_auth=cluster_auth,
         )
         self.transport = transport
         self.fingerprint = model_fingerprint(engine.model_config)
@@ -129,7 +134,7 @@ class PrefillNode(NodeRuntime):
         current = self.senders.get(descriptor.node_id)
         if current is not None and current[0] == encoded_descriptor:
             return current[1]
-        sender = ChannelSender(self.transport)
+        sender = ChannelSender(self.transport, SenderConfig(cluster_auth=self.cluster_auth))
         sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
         if current is not None:
             logger.info("decode node %s has a new KV channel; closing the old", descriptor.node_id)
@@ -185,9 +190,15 @@ class PrefillNode(NodeRuntime):
                     continue
                 if event.kind is TransferKind.FAILED and not request.aborted:
                     self.transfer_failures += 1
-                    self.send(
-                        RequestFailed(event.transfer_id, event.error or "KV transfer failed", 503)
-                    )
+                    # After PrefillDone the decode node alone knows whether its KV committed
+                    # (a lost Committed message fails only this side); it reports its own
+                    # failure by its deadline.
+                    if not request.first_token_sent:
+                        self.send(
+                            RequestFailed(
+                                event.transfer_id, event.error or "KV transfer failed", 503
+                            )
+                        )
                     self.prefill.abort(event.transfer_id)
                 elif event.kind is TransferKind.COMPLETE and request.first_write_at is not None:
                     self.transfer_seconds += time.monotonic() - request.first_write_at
@@ -208,6 +219,7 @@ class PrefillNode(NodeRuntime):
             offset=0,
         )
         self.send(TokenBatch(self.node_id, [update]))
+        request.first_token_sent = True
         self.send(
             PrefillDone(first.request_id, first.token_id, logprobs, first.num_cached_tokens),
             request.decode_address,

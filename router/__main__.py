@@ -2,7 +2,8 @@
 
 Runs the app on uvicorn with uvloop and prints one line, "pdserve router listening on
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
-OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining.
+OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining. The
+cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here, once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 import uvicorn
 
+from engine.cluster_auth import SECRET_ENV, ClusterAuth
 from router.app import create_app
 from router.config import RouterConfig
 from router.drain import DrainingServer
@@ -83,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
         metavar="SECONDS",
         help="on SIGTERM, how long requests in flight may still run (default 30)",
     )
+    parser.add_argument(
+        "--cluster-secret",
+        default=os.environ.get(SECRET_ENV) or None,
+        metavar="SECRET",
+        help=f"shared with every node (default: ${SECRET_ENV}); needed when --listen or a "
+        "--node address is not a loopback one",
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -104,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
             max_stream_buffer_tokens=args.max_stream_buffer_tokens,
             node_timeout_s=args.node_timeout,
             drain_timeout_s=args.drain_timeout,
+            cluster_auth=ClusterAuth.from_secret(args.cluster_secret),
         )
     except ValueError as error:
         parser.error(str(error))

@@ -71,6 +71,7 @@ class RouterState:
             on_stats=self._on_stats,
             on_liveness=self._on_liveness,
             on_retry=self.metrics.request_retries.inc,
+            cluster_auth=config.cluster_auth,
         )
         self.formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.cluster_auth import ClusterAuth
+from router.node_registry import parse_node_spec
+
 
 @dataclass
 class RouterConfig:
@@ -13,6 +16,8 @@ class RouterConfig:
     `node_addresses` are the nodes' PULL addresses (`tcp://host:port`), optionally prefixed
     with the node's id (`ID=tcp://host:port`) so NodeStats can be matched to an address when
     several nodes are configured. `listen_address` is where the router binds its PULL socket.
+    `cluster_auth` (engine/cluster_auth.py) secures every ZeroMQ link to the nodes; without a
+    secret the listen and node addresses must be loopback ones.
     """
 
     model_path: str | Path
@@ -39,8 +44,11 @@ class RouterConfig:
     node_timeout_s: float = 30.0
     # On SIGTERM, requests in flight get this long to finish (router/drain.py).
     drain_timeout_s: float = 30.0
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
 
     def __post_init__(self) -> None:
+        nodes = [("--node", parse_node_spec(spec)[1]) for spec in self.node_addresses]
+        self.cluster_auth.check_addresses([("--listen", self.listen_address), *nodes])
         for name in ("max_queued_requests", "max_queued_tokens", "max_stream_buffer_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -21,6 +21,9 @@ node-side id (`<id>~<attempt>`, so nothing of the old attempt can be mistaken fo
 live nodes, preferring a prefill node it has not failed on, at most `max_retries` times. Once a
 token has reached the client it is never retried: it fails with 503, which the client sees as
 an error event ending its stream.
+
+With a cluster secret (`cluster_auth`, engine/cluster_auth.py) the PULL socket is a CURVE
+server and every PUSH a CURVE client: a node without the secret can neither send nor be sent to.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from engine.cluster_auth import ClusterAuth
 from engine.protocol import (
     Abort,
     Generate,
@@ -69,7 +73,9 @@ class NodeClient:
         max_retries: int = 2,
         on_liveness: Callable[[NodeState], None] | None = None,
         on_retry: Callable[[], None] | None = None,
+        cluster_auth: ClusterAuth | None = None,
     ) -> None:
+        self.cluster_auth = cluster_auth or ClusterAuth.none()
         self.registry = NodeRegistry(
             node_addresses, node_timeout_s, self._connect, clock, on_restart=self._on_restart
         )
@@ -96,7 +102,7 @@ class NodeClient:
 
     async def start(self) -> None:
         self._async_context = zmq.asyncio.Context()
-        self._pull = self._async_context.socket(zmq.PULL)
+        self._pull = self.cluster_auth.secure_server(self._async_context.socket(zmq.PULL))
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.listen_address)
         self._sync_context = zmq.Context()
@@ -110,7 +116,7 @@ class NodeClient:
     def _connect(self, node: NodeState) -> None:
         if self._sync_context is None:
             return
-        node.socket = self._sync_context.socket(zmq.PUSH)
+        node.socket = self.cluster_auth.secure_client(self._sync_context.socket(zmq.PUSH))
         node.socket.setsockopt(zmq.LINGER, 0)
         node.socket.setsockopt(zmq.SNDHWM, 100_000)
         node.socket.connect(node.address)

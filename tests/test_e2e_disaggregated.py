@@ -1,11 +1,14 @@
 """End to end through the router, real processes: disaggregated serving (prefill nodes and
 decode nodes, KV over shared memory) gives the same greedy text as colocated serving, for 32
 concurrent requests with shared prefixes and different lengths under chunked prefill, with
-1P1D and 2P2D; every node's KV blocks are all free afterwards."""
+1P1D and 2P2D (KV over shm and zmq); every node's KV blocks are all free afterwards. Each
+deployment runs with the cluster secret `pdserve serve` makes for its processes (CURVE on every
+ZeroMQ link, the KV channel included); a node joining from outside is given the secret."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 import subprocess
@@ -201,7 +204,8 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(
 
 def test_a_prefill_node_started_alone_joins_the_router_and_serves(tiny_llama_dir):
     router_address = f"tcp://127.0.0.1:{free_port()}"
-    server = Server(tiny_llama_dir, "--router-listen", router_address)
+    secret = "e2e-joiner-cluster-secret"
+    server = Server(tiny_llama_dir, "--router-listen", router_address, "--cluster-secret", secret)
     joiner = subprocess.Popen(
         [
             sys.executable,
@@ -219,6 +223,7 @@ def test_a_prefill_node_started_alone_joins_the_router_and_serves(tiny_llama_dir
             "--kv-cache-memory",
             str(32 << 20),
         ],
+        env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret},
     )
     try:
         deadline = time.monotonic() + 60

@@ -79,7 +79,7 @@ def test_the_admission_queue_bounds_requests_and_prompt_tokens():
         queue.admit(1, 1)
     with pytest.raises(ValueError, match="max_queued_tokens is 0"):
         RouterConfig("m", max_queued_tokens=0)
-    old_flag = ["--model", "m", "--node", "tcp://x:1", "--listen", "tcp://x:2"]
+    old_flag = ["--model", "m", "--node", "tcp://127.0.0.1:1", "--listen", "tcp://127.0.0.1:2"]
     assert parse_args([*old_flag, "--max-waiting-requests", "7"])[0].max_queued_requests == 7
 
 

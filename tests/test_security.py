@@ -1,9 +1,10 @@
 """A default `pdserve serve` (router, prefill node, decode node as real processes) under hostile
 input: every TCP socket any of its processes listens on is bound to 127.0.0.1; pickled
-payloads, random bytes and malformed messages sent to every ZeroMQ port (the router's and the
-nodes' PULL sockets and the decode node's KV channel), raw and through ZeroMQ sockets of
-every type that can connect, are dropped without being unpickled and every process stays up
-and keeps serving; with an API key every route but /health answers 401 without it."""
+payloads, random bytes, malformed and well-formed messages sent to every ZeroMQ port (the
+router's and the nodes' PULL sockets and the decode node's KV channel), raw and through
+ZeroMQ sockets of every type that can connect, never arrive without the cluster secret; with it
+they are dropped without being unpickled; every process stays up and keeps serving; with an
+API key every route but /health answers 401 without it."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ import msgpack
 import pytest
 import zmq
 
+from engine.cluster_auth import ClusterAuth
+from engine.protocol import Heartbeat, NodeStats, encode
 from pdserve.serve_process import ServeProcess
 from router.app import create_app
 from router.config import RouterConfig
 
 KEY = "test-key-4c1d"
+CLUSTER_SECRET = "security-test-cluster-secret"
 LISTEN = "0A"
 
 
@@ -85,7 +89,8 @@ def decode_address(hex_address: str, width: int) -> str:
 def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("security") / "serve.log"
     server = ServeProcess(
-        ["--model", str(tiny_llama_dir), "--kv-cache-memory", str(32 << 20), "--api-key", KEY],
+        ["--model", str(tiny_llama_dir), "--kv-cache-memory", str(32 << 20), "--api-key", KEY,
+         "--cluster-secret", CLUSTER_SECRET],
         ready_timeout_s=120,
         log_path=log_path,
     )
@@ -116,6 +121,46 @@ def test_every_listening_socket_is_on_loopback(server):
     assert {address for _, address, _ in sockets} <= {"127.0.0.1", "::1"}, sockets
 
 
+def node_stats(node_id: str) -> bytes:
+    """A well-formed registration the router would log as refused (a foreign model)."""
+    return encode(NodeStats(
+        node_id, "prefill", 64, 512, 0, 0, 0, 0, 0, 0, 0,
+        listen_address=f"tcp://127.0.0.1:{free_tcp_port()}", model_fingerprint=f"not-{node_id}",
+        dtype="float32", block_size=16,
+    ))
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def send_everywhere(ports: list[int], payloads: list[bytes], auth: ClusterAuth) -> None:
+    """Each payload to each port: raw TCP, then through every ZeroMQ socket type that can
+    connect, as a client with `auth`'s keys (none: a stranger to the cluster)."""
+    context = zmq.Context()
+    try:
+        for port in ports:
+            address = f"tcp://127.0.0.1:{port}"
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                raw.sendall(payloads[0] + os.urandom(2048))
+            for kind in (zmq.PUSH, zmq.DEALER, zmq.REQ, zmq.PUB):
+                sock = auth.secure_client(context.socket(kind))
+                sock.setsockopt(zmq.LINGER, 200)
+                sock.setsockopt(zmq.SNDTIMEO, 500)
+                sock.connect(address)
+                for payload in payloads:
+                    try:
+                        sock.send_multipart([payload, payload[:64]] if kind == zmq.DEALER
+                                            else [payload])
+                    except zmq.ZMQError:
+                        pass  # a socket type the port refuses (or a REQ waiting for a reply)
+                sock.close()
+    finally:
+        context.term()
+
+
 def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_serving(
     server, tmp_path
 ):
@@ -132,38 +177,39 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
         msgpack.packb([1, 2, 3]),
         os.urandom(1 << 20),
     ]
-    context = zmq.Context()
-    try:
-        for port in zmq_ports:
-            address = f"tcp://127.0.0.1:{port}"
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
-                raw.sendall(payloads[0] + os.urandom(2048))
-            for kind in (zmq.PUSH, zmq.DEALER, zmq.REQ, zmq.PUB):
-                sock = context.socket(kind)
-                sock.setsockopt(zmq.LINGER, 200)
-                sock.setsockopt(zmq.SNDTIMEO, 500)
-                sock.connect(address)
-                for payload in payloads:
-                    try:
-                        sock.send_multipart([payload, payload[:64]] if kind == zmq.DEALER
-                                            else [payload])
-                    except zmq.ZMQError:
-                        pass  # a socket type the port refuses (or a REQ waiting for a reply)
-                sock.close()
-    finally:
-        context.term()
+
+    # Without the cluster secret nothing arrives, not even well-formed messages.
+    stranger = [*payloads, encode(Heartbeat("stranger", "0")), node_stats("stranger")]
+    send_everywhere(zmq_ports, stranger, ClusterAuth.none())
+    time.sleep(1.5)
+    assert server.process.poll() is None
+    assert generate(server).status_code == 200
+    log = server.log_path.read_text()
+    assert "malformed" not in log and "unexpected heartbeat" not in log, log[-3000:]
+    assert "stranger" not in log, log[-3000:]
+
+    # With it, whatever a member sends is decoded only as msgpack, and garbage is dropped.
+    member = [*payloads, encode(Heartbeat("member", "0")), node_stats("member")]
+    send_everywhere(zmq_ports, member, ClusterAuth.from_secret(CLUSTER_SECRET))
+    deadline = time.monotonic() + 10
+    while "refused node member" not in server.log_path.read_text():
+        assert time.monotonic() < deadline, "the router never heard a member's registration"
+        time.sleep(0.2)
     time.sleep(1.0)
     assert server.process.poll() is None
     assert all(Path(f"/proc/{pid}").exists() for pid in process_tree(server.process.pid))
     assert generate(server).status_code == 200
     assert not marker.exists(), "a pickled payload was unpickled"
-    dropped = [line for line in server.log_path.read_text().splitlines() if "malformed" in line]
+    log = server.log_path.read_text()
+    assert "stranger" not in log
+    dropped = [line for line in log.splitlines() if "malformed" in line]
     for where, count in (
         ("router.node_client", len(payloads)),  # the router's PULL
         ("engine.node_runtime", 2 * len(payloads)),  # both nodes' PULL sockets
         ("kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
     ):
         assert sum(f"{where}: " in line for line in dropped) >= count, (where, dropped)
+    assert log.count("dropped an unexpected heartbeat message") >= 2  # both nodes
 
 
 def test_every_route_but_health_needs_the_api_key(server, tiny_llama_dir):
