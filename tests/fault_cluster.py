@@ -286,3 +286,14 @@ class LogCursor:
 
     def count(self, needle: str) -> int:
         return self.text().count(needle)
+
+
+def greedy_texts(llm, requests) -> dict[tuple[int, ...], str]:
+    """Reference text of each (prompt ids, max_tokens) request: greedy, EOS ignored."""
+    from engine import SamplingParams
+
+    outputs = llm.generate(
+        [list(p) for p, _ in requests],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests],
+    )
+    return {tuple(p): out.text for (p, _), out in zip(requests, outputs)}

@@ -20,9 +20,15 @@ import time
 
 import pytest
 
-from engine import SamplingParams
 from kvtransfer.faults import ENV_VAR
-from tests.fault_cluster import Cluster, LogCursor, completion, http, open_request
+from tests.fault_cluster import (
+    Cluster,
+    LogCursor,
+    completion,
+    greedy_texts,
+    http,
+    open_request,
+)
 
 FRAME_DELAY_S = 1.0
 NUM_KV_BLOCKS = 200  # decode node: 3 prompts of 1,000 tokens (63 blocks each) fill it
@@ -45,12 +51,7 @@ FOLLOW_UPS = tuple(
 
 @pytest.fixture(scope="module")
 def reference(tiny_llm) -> dict[tuple[int, ...], str]:
-    requests = BLOCKERS + LOADERS + FOLLOW_UPS
-    outputs = tiny_llm.generate(
-        [list(p) for p, _ in requests],
-        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests],
-    )
-    return {tuple(p): out.text for (p, _), out in zip(requests, outputs)}
+    return greedy_texts(tiny_llm, BLOCKERS + LOADERS + FOLLOW_UPS)
 
 
 @pytest.fixture(scope="module")

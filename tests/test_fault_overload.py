@@ -17,12 +17,11 @@ import statistics
 
 import pytest
 
-from engine import SamplingParams
 from router.__main__ import parse_args
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
 from router.errors import APIError
-from tests.fault_cluster import Cluster, completion, http
+from tests.fault_cluster import Cluster, completion, greedy_texts, http
 
 MAX_QUEUED = 32
 DECODE_BLOCKS = 48  # 768 tokens
@@ -40,12 +39,7 @@ QUEUED = tuple((prompt(200, 10 + i), 100) for i in range(8))
 
 @pytest.fixture(scope="module")
 def reference(tiny_llm) -> dict[tuple[int, ...], str]:
-    requests = SHORT + QUEUED
-    outputs = tiny_llm.generate(
-        [list(p) for p, _ in requests],
-        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests],
-    )
-    return {tuple(p): out.text for (p, _), out in zip(requests, outputs)}
+    return greedy_texts(tiny_llm, SHORT + QUEUED)
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,7 @@ import httpx
 import pytest
 
 from pdserve.launcher import free_port
-
-
-def children_of(pid: int) -> list[int]:
-    result = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
-    return [int(line) for line in result.stdout.split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"
+from tests.fault_checks import alive, children_of
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
