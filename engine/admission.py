@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Iterable
 
 from engine.sequence import Sequence
 
@@ -66,9 +67,11 @@ class AdmissionPolicy:
             output = self.predictor.predict(params.max_tokens, params.ignore_eos)
         return -(-(seq.num_prompt_tokens + output) // self.block_size)
 
-    def outstanding_blocks(self, seq: Sequence) -> int:
-        """Blocks seq is still expected to take beyond those it holds."""
-        return max(0, self.expected_blocks(seq) - len(seq.block_table))
+    def outstanding_blocks(self, running: Iterable[Sequence]) -> int:
+        """Blocks the running sequences are still expected to take beyond those they hold."""
+        if self.policy == "optimistic":
+            return 0
+        return sum(max(0, self.expected_blocks(s) - len(s.block_table)) for s in running)
 
     def observe_finished(self, seq: Sequence, reason: str) -> None:
         if reason in ("stop", "length"):

@@ -92,7 +92,6 @@ class Scheduler:
         self.waiting = SequenceQueue(order)
         self.running = SequenceQueue(order)
         self._sequence_numbers = itertools.count()
-        self.num_preemptions = 0
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
 
     def add(self, seq: Sequence) -> None:
@@ -104,6 +103,10 @@ class Scheduler:
         seq.sequence_number = next(self._sequence_numbers)
         seq.status = SequenceStatus.RUNNING
         self.running.add(seq)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.num_preemptions_by_mode.values())
 
     @property
     def num_unfinished(self) -> int:
@@ -146,9 +149,7 @@ class Scheduler:
         tokens it computes in this step; None, changing nothing, if the cache cannot take it
         now."""
         manager = self.block_manager
-        headroom_needed = self.watermark_blocks + sum(
-            self.admission.outstanding_blocks(s) for s in self.running
-        )
+        headroom_needed = self.watermark_blocks + self.admission.outstanding_blocks(self.running)
         if seq.status is SequenceStatus.SWAPPED:
             block_ids = manager.allocate_blocks(len(seq.host_block_table))
             if block_ids is None:
@@ -237,7 +238,6 @@ class Scheduler:
         if seq.status is SequenceStatus.WAITING:
             seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         out.preempted.append(seq)
         self.waiting.add(seq)
 
