@@ -18,7 +18,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=("colocated", "decode"), default="colocated")
     parser.add_argument("--kv-transport", default="shm", choices=("shm", "zmq", "cuda_ipc"))
     parser.add_argument("--kv-listen", default="tcp://127.0.0.1:0", help="KV channel bind")
-    parser.add_argument("--transfer-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--transfer-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="a KV transfer's deadline from its first write; the first token's after the KV "
+        "arrived (default 30)",
+    )
+    parser.add_argument(
+        "--queue-timeout", type=float, default=120.0, metavar="SECONDS",
+        help="the wait for free KV blocks, then for the prefill node to start (default 120)",
+    )
     args = parser.parse_args(argv)
 
     def build(config, cluster_auth):
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             args.heartbeat_interval,
             args.advertise,
             cluster_auth,
+            queue_timeout_s=args.queue_timeout,
         )
 
     return run_node(args, build)

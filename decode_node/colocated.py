@@ -3,8 +3,10 @@
 Inbound: Generate -> SamplingParams and engine.add_request (ValueError/TypeError, duplicate ids
 included, -> RequestFailed 400); Abort -> engine.abort_request (unknown ids ignored).
 Each iteration: one engine.step(); if it produced outputs, ONE TokenBatch with a TokenUpdate
-per request. An exception while stepping is logged, every in-flight request gets
-RequestFailed 500 and is aborted, and the loop goes on.
+per request. A request that makes the step fail on its own (engine.llm_engine.StepFailure, which
+names it; the engine already ended it) gets RequestFailed 500, and the others of that step run
+again on the next one. Any other exception while stepping is logged, every in-flight request
+gets RequestFailed 500 and is aborted, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from engine.cluster_auth import ClusterAuth
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepFailure
 from engine.node_runtime import NodeRuntime
 from engine.outputs import StepOutput
 from engine.protocol import Abort, Generate, RequestFailed, TokenBatch, TokenUpdate
@@ -108,6 +110,13 @@ class ColocatedNode(NodeRuntime):
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except StepFailure as failure:
+            for request_id, error in failure.errors.items():
+                if request_id in self.active:
+                    self.active.discard(request_id)
+                    message = f"internal error while generating ({type(error).__name__})"
+                    self.send(RequestFailed(request_id, message, 500))
+            return
         except Exception:  # fail the requests, keep the node
             logger.exception("engine step failed; failing %d in-flight requests", len(self.active))
             self._fail_all("engine error while generating")

@@ -1,23 +1,29 @@
 """The decode node: a colocated node whose prompts are computed by prefill nodes.
 
 Its KV cache lives where prefill nodes can write it (the KV receiver allocates and registers it
-once, kvtransfer/base.py). Lifecycle of a disaggregated request (Generate with a
-`prefill_address`; one without is served colocated):
-  waiting for blocks  queued until `reserve_blocks` finds room for the whole prompt; deadline:
-                      `transfer_timeout_s` after arrival, then RequestFailed 503.
-  transferring        the receiver expects the blocks until `transfer_timeout_s` from now, and
-                      the prefill node gets a PrefillRequest naming them. The request joins
-                      the running batch only when the transfer is COMPLETE (every block of every
-                      layer arrived) and PrefillDone brought its first token; never from a
-                      partial transfer.
-  failed              FAILED (deadline, sender gone, aborted): the router gets RequestFailed
+once, kvtransfer/base.py). A disaggregated request (Generate with a `prefill_address`; one
+without is served colocated) moves through these stages (`Stage`), each with its deadline,
+all set in `_enter`:
+  WAITING_FOR_BLOCKS  queued until `reserve_blocks` finds room for the whole prompt, in the
+                      engine's order (priority aged by arrival, engine/sequence_queue.py), not
+                      first come first served; deadline: `queue_timeout_s` after arrival, then
+                      RequestFailed 503 (the router refuses earlier, by its queue-delay bound).
+  TRANSFERRING        the receiver expects the blocks and the prefill node gets a
+                      PrefillRequest naming them. The prompt may wait in the prefill node's
+                      queue: the receiver allows `queue_timeout_s` for the first write, and the
+                      transfer itself then has `transfer_timeout_s` from that write (its clock
+                      runs from when prefilling started, not from the reservation).
+  COMMITTED           every block of every layer arrived; waiting for PrefillDone (the first
+                      token), which the prefill node sends right after its last chunk;
+                      deadline: `transfer_timeout_s` after the commit. Never decodes from
+                      partial KV: the request joins the running batch only here, with its
+                      first token.
+  RELEASING           FAILED (deadline, sender gone, aborted): the router gets RequestFailed
                       503 unless it aborted the request itself; the blocks return to the engine
-                      only at RELEASED, when no late write can land in them any more. A
-                      committed transfer whose first token does not come within
-                      `transfer_timeout_s` of arrival fails too; aborting a committed
-                      transfer returns its blocks at once (nothing can write them).
-  running             as in a colocated node, tokens streamed from offset 1 (the prefill node
-                      sent offset 0). A preempted request recomputes locally.
+                      only at RELEASED, when no late write can land in them any more. Aborting
+                      a committed transfer returns its blocks at once (nothing can write them).
+Then the request runs as in a colocated node, tokens streamed from offset 1 (the prefill node
+sent offset 0), with its arrival time here as its rank. A preempted request recomputes locally.
 A dead prefill node is noticed by the router, which aborts (and may retry under a new id) its
 requests here: blocks never granted to it return at once, granted ones at RELEASED (its
 deadline + grace, as it can no longer abandon them). While idle (nothing pending) the node
@@ -26,11 +32,13 @@ loop's leak check counts every block still in use as leaked.
 
 from __future__ import annotations
 
-import collections
+import bisect
+import enum
+import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from decode_node.colocated import ColocatedNode, build_engine
@@ -55,15 +63,23 @@ logger = logging.getLogger(__name__)
 TRANSFER_POLL_MS = 1
 
 
+class Stage(enum.Enum):
+    WAITING_FOR_BLOCKS = "waiting for blocks"
+    TRANSFERRING = "transferring"
+    COMMITTED = "committed"
+    RELEASING = "releasing"
+
+
 @dataclass
 class PendingPrefill:
     message: Generate
     params: SamplingParams
     arrived: float
-    block_ids: list[int] | None = None
+    rank: tuple[float, ...]
+    stage: Stage = Stage.WAITING_FOR_BLOCKS
+    deadline: float | None = None  # of a stage the node itself times (None: the receiver's)
+    block_ids: list[int] = field(default_factory=list)
     first: PrefillDone | None = None
-    complete: bool = False
-    failed: bool = False
 
 
 class DecodeNode(ColocatedNode):
@@ -81,7 +97,11 @@ class DecodeNode(ColocatedNode):
         heartbeat_interval: float = 0.5,
         advertise_address: str | None = None,
         cluster_auth: ClusterAuth | None = None,
+        queue_timeout_s: float = 120.0,
     ) -> None:
+        for name, seconds in (("transfer", transfer_timeout_s), ("queue", queue_timeout_s)):
+            if not 0 < seconds < float("inf"):
+                raise ValueError(f"the {name} timeout is {seconds} s; expected a positive time")
         self.receiver = ChannelReceiver(
             transport,
             ReceiverConfig(
@@ -98,8 +118,11 @@ class DecodeNode(ColocatedNode):
         self.fingerprint = model_fingerprint(engine.model_config)
         self.descriptor = self.receiver.register(engine.runner.kv_cache, self.fingerprint)
         self.transfer_timeout_s = transfer_timeout_s
+        self.queue_timeout_s = queue_timeout_s
         self.pending: dict[str, PendingPrefill] = {}
-        self.waiting_for_blocks: collections.deque[str] = collections.deque()
+        self.waiting_for_blocks: list[tuple[tuple[float, ...], str]] = []  # sorted by rank
+        self._arrival_numbers = itertools.count()
+        self._next_deadline = float("inf")  # no stage deadline of `pending` is earlier
         self.preallocation_wait_s = 0.0
         self.transfer_failures = 0
 
@@ -120,6 +143,47 @@ class DecodeNode(ColocatedNode):
             return 0
         return TRANSFER_POLL_MS if self.pending else IDLE_POLL_MS
 
+    # -- stages ------------------------------------------------------------------------------
+
+    def _enter(self, request_id: str, pending: PendingPrefill, stage: Stage, now: float) -> None:
+        """Moves a request to `stage` and sets that stage's deadline (module docstring)."""
+        pending.stage = stage
+        pending.deadline = None
+        if stage is Stage.WAITING_FOR_BLOCKS:
+            pending.deadline = pending.arrived + self.queue_timeout_s
+            bisect.insort(self.waiting_for_blocks, (pending.rank, request_id))
+        elif stage is Stage.TRANSFERRING:
+            self.preallocation_wait_s += now - pending.arrived
+            self.receiver.expect(
+                request_id,
+                pending.block_ids,
+                now + self.queue_timeout_s,
+                budget_s=self.transfer_timeout_s,
+            )
+        elif stage is Stage.COMMITTED:
+            pending.deadline = now + self.transfer_timeout_s
+        if pending.deadline is not None:
+            self._next_deadline = min(self._next_deadline, pending.deadline)
+
+    def _expire(self, now: float) -> None:
+        """Fails the requests whose stage's deadline passed (the receiver times TRANSFERRING)."""
+        if now < self._next_deadline:
+            return
+        self._next_deadline = min(
+            (p.deadline for p in self.pending.values() if p.deadline and p.deadline > now),
+            default=float("inf"),
+        )
+        for request_id, pending in list(self.pending.items()):
+            if pending.deadline is None or now < pending.deadline:
+                continue
+            if pending.stage is Stage.WAITING_FOR_BLOCKS:
+                self.waiting_for_blocks.remove((pending.rank, request_id))
+                del self.pending[request_id]
+                self._fail(request_id, f"no KV blocks free for request {request_id} in time")
+            elif pending.stage is Stage.COMMITTED:
+                self._drop_committed(request_id)
+                self._fail(request_id, f"no first token for request {request_id} in time")
+
     # -- inbound ---------------------------------------------------------------------------
 
     def handle(self, message: Any) -> None:
@@ -127,7 +191,7 @@ class DecodeNode(ColocatedNode):
             self._admit_disaggregated(message)
         elif isinstance(message, PrefillDone):
             pending = self.pending.get(message.request_id)
-            if pending is not None:
+            if pending is not None and pending.first is None:
                 pending.first = message
                 self._join_when_ready(message.request_id)
         elif isinstance(message, Abort) and message.request_id in self.pending:
@@ -142,27 +206,31 @@ class DecodeNode(ColocatedNode):
                 raise ValueError(f"request id {request_id!r} is already in use")
             params = SamplingParams(**message.sampling)
             self.engine.validate_prompt(message.prompt_token_ids, params)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, OverflowError) as error:
             logger.info("rejected request %s: %s", request_id, error)
             self.send(RequestFailed(request_id, str(error), 400))
             return
-        self.pending[request_id] = PendingPrefill(message, params, time.monotonic())
-        self.waiting_for_blocks.append(request_id)
+        now = time.monotonic()
+        order = self.engine.scheduler.waiting.order
+        rank = order.rank_of(message.priority, now, next(self._arrival_numbers))
+        pending = PendingPrefill(message, params, now, rank)
+        self.pending[request_id] = pending
+        self._enter(request_id, pending, Stage.WAITING_FOR_BLOCKS, now)
         self.prompt_tokens_total += len(message.prompt_token_ids)
 
     def _abort_pending(self, request_id: str) -> None:
         pending = self.pending[request_id]
-        pending.failed = True
-        if pending.block_ids is None:
-            self.waiting_for_blocks.remove(request_id)
+        if pending.stage is Stage.WAITING_FOR_BLOCKS:
+            self.waiting_for_blocks.remove((pending.rank, request_id))
             del self.pending[request_id]
-        elif pending.complete:
-            self._drop_complete(request_id)
-        else:
+        elif pending.stage is Stage.COMMITTED:
+            self._drop_committed(request_id)
+        elif pending.stage is Stage.TRANSFERRING:
+            self._enter(request_id, pending, Stage.RELEASING, time.monotonic())
             self.receiver.abort(request_id)  # its blocks come back at RELEASED
         logger.info("aborted request %s before it joined the batch", request_id)
 
-    def _drop_complete(self, request_id: str) -> None:
+    def _drop_committed(self, request_id: str) -> None:
         """A committed transfer has no writer left: its blocks can return at once."""
         pending = self.pending.pop(request_id)
         self.engine.release_blocks(pending.block_ids)
@@ -170,40 +238,26 @@ class DecodeNode(ColocatedNode):
     # -- work --------------------------------------------------------------------------------
 
     def work(self) -> None:
-        self._reserve_blocks()
         for event in self.receiver.poll():
             self._on_transfer_event(event)
-        self._expire_first_tokens()
+        now = time.monotonic()
+        self._expire(now)
+        self._reserve_blocks(now)
         super().work()
 
-    def _expire_first_tokens(self) -> None:
-        """A committed transfer whose first token never came (the prefill node died after
-        writing) fails once `transfer_timeout_s` has passed since the request arrived."""
-        now = time.monotonic()
-        for request_id, pending in list(self.pending.items()):
-            late = now - pending.arrived > self.transfer_timeout_s
-            if pending.complete and pending.first is None and late:
-                self._drop_complete(request_id)
-                self._fail(request_id, f"no first token for request {request_id} in time")
-
-    def _reserve_blocks(self) -> None:
-        now = time.monotonic()
+    def _reserve_blocks(self, now: float) -> None:
+        """Reserves blocks for the waiting requests in rank order; the first that does not fit
+        stops the pass (no smaller request overtakes it, so none starves)."""
         while self.waiting_for_blocks:
-            request_id = self.waiting_for_blocks[0]
+            _, request_id = self.waiting_for_blocks[0]
             pending = self.pending[request_id]
             prompt = pending.message.prompt_token_ids
-            if now - pending.arrived > self.transfer_timeout_s:
-                self.waiting_for_blocks.popleft()
-                del self.pending[request_id]
-                self._fail(request_id, f"no KV blocks free for request {request_id} in time")
-                continue
             block_ids = self.engine.reserve_blocks(len(prompt))
             if block_ids is None:
                 return
-            self.waiting_for_blocks.popleft()
+            self.waiting_for_blocks.pop(0)
             pending.block_ids = block_ids
-            self.preallocation_wait_s += now - pending.arrived
-            self.receiver.expect(request_id, block_ids, now + self.transfer_timeout_s)
+            self._enter(request_id, pending, Stage.TRANSFERRING, now)
             self.send(
                 PrefillRequest(
                     request_id,
@@ -219,27 +273,28 @@ class DecodeNode(ColocatedNode):
             )
 
     def _on_transfer_event(self, event: Any) -> None:
-        pending = self.pending.get(event.transfer_id)
+        request_id = event.transfer_id
+        pending = self.pending.get(request_id)
         if pending is None:
             return
         if event.kind is TransferKind.COMPLETE:
-            pending.complete = True
-            if pending.failed:  # aborted while its commit was being reported: nothing writes
-                self._drop_complete(event.transfer_id)  # into the blocks any more
-            else:
-                self._join_when_ready(event.transfer_id)
+            if pending.stage is Stage.RELEASING:  # aborted while its commit was reported:
+                self._drop_committed(request_id)  # nothing writes into the blocks any more
+                return
+            self._enter(request_id, pending, Stage.COMMITTED, time.monotonic())
+            self._join_when_ready(request_id)
         elif event.kind is TransferKind.FAILED:
-            if not pending.failed:
-                pending.failed = True
+            if pending.stage is Stage.TRANSFERRING:
+                self._enter(request_id, pending, Stage.RELEASING, time.monotonic())
                 self.transfer_failures += 1
-                self._fail(event.transfer_id, event.error or "KV transfer failed")
+                self._fail(request_id, event.error or "KV transfer failed")
         else:
-            del self.pending[event.transfer_id]
+            del self.pending[request_id]
             self.engine.release_blocks(pending.block_ids)
 
     def _join_when_ready(self, request_id: str) -> None:
         pending = self.pending[request_id]
-        if not (pending.complete and pending.first) or pending.failed:
+        if pending.stage is not Stage.COMMITTED or pending.first is None:
             return
         del self.pending[request_id]
         message, first = pending.message, pending.first
@@ -251,7 +306,8 @@ class DecodeNode(ColocatedNode):
                 pending.block_ids,
                 first.token_id,
                 first.num_cached_tokens,
-                pending.message.priority,
+                message.priority,
+                arrival_time=pending.arrived,
             )
         except ValueError as error:
             self.engine.release_blocks(pending.block_ids)

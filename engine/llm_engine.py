@@ -4,6 +4,23 @@
 sampled tokens, finishes what ended (freeing blocks in the same step) and returns per-request
 `StepOutput`s. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
 live above it (`engine.output_processor`), which ends requests through `finish_request`.
+
+A request that breaks a batched step fails alone. Requests are validated before they are
+queued (SamplingParams, `validate_prompt`), so this is the last line. When running a step's
+batch (forward and sampling) raises, the engine runs each of that step's sequences alone:
+  - those that raise alone are ended (finish reason "error", blocks freed) and `step()` raises
+    `StepFailure` naming them, for the caller to fail just those;
+  - every other one is left as it was before the step (its slots allocated, nothing marked
+    computed, a seeded generator restored after its lone run) and the next `step()` runs it
+    again: rewriting the same KV into the same slots is harmless. Its tokens are the ones it
+    would have had (only a failure raised while sampling noise was being drawn could have
+    advanced a seeded generator);
+  - if none raises alone, the fault is the batch's or the device's, not a request's: the
+    original exception propagates and the caller fails every request it holds.
+A step of one sequence skips the lone runs: that sequence is the one that failed. A failure
+anywhere else in a step (scheduling, swapping, the bookkeeping after the batch ran) is not
+attributable and propagates as it is. The lone runs cost one forward per scheduled sequence,
+only on this rare path, and never loop: a failure of the re-run batch is judged afresh.
 """
 
 from __future__ import annotations
@@ -13,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -27,14 +44,32 @@ from engine.models import model_class
 from engine.outputs import StepOutput
 from engine.preemption import PreemptionPolicy
 from engine.queue_wait import QueueWaitStats
-from engine.sampler import skip_sample
+from engine.sampler import SampleResult, skip_sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.swap_space import SwapSpace
 from engine.tokenizer import load_tokenizer
 
+WARM_UP_MAX_TOKENS = 256
+WARM_UP_SHORT_PROMPT_TOKENS = 17
+WARM_UP_DECODE_STEPS = 2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
 logger = logging.getLogger(__name__)
+
+
+class StepFailure(Exception):
+    """`step()` found the requests that make its batch raise on their own; they are ended in
+    the engine. `errors` maps each one's request id to what it raised. Every other request of
+    that step runs again on the next `step()`."""
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        super().__init__(
+            f"{len(errors)} request(s) failed the engine step on their own: "
+            + "; ".join(f"{rid} ({type(error).__name__}: {error})" for rid, error in errors.items())
+        )
+        self.errors = errors
 
 
 def _resolve_model_path(model: str | None) -> Path:
@@ -43,6 +78,10 @@ def _resolve_model_path(model: str | None) -> Path:
 
         return ensure_default_model()
     return Path(model)
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 class LLMEngine:
@@ -56,7 +95,13 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(self.model_path)
         model_class(self.model_config)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = (
+            load_tokenizer(self.model_path)
+            if config.load_format != "dummy" or _has_tokenizer_files(self.model_path)
+            else None
+        )
+        if self.tokenizer is None:
+            logger.info("%s has no tokenizer: the engine takes token ids only", self.model_path)
         self.runner = ModelRunner(
             config, self.model_config, self.max_model_len, kv_cache_factory
         )
@@ -73,7 +118,9 @@ class LLMEngine:
             else None
         )
         self.preemption = PreemptionPolicy(
-            config.preemption_mode, kv_spec.bytes_per_block // config.block_size
+            config.preemption_mode,
+            kv_spec.bytes_per_block // config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -136,6 +183,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -171,11 +221,16 @@ class LLMEngine:
         for scheduled in schedule.scheduled:
             self.queue_wait.observe(scheduled.seq)
         started = time.perf_counter()
-        samples = self.runner.execute(schedule)
+        try:
+            samples = self.runner.execute(schedule)
+        except Exception as error:  # noqa: BLE001 (re-raised, or narrowed to its culprits)
+            self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
         num_prefill_tokens = sum(
             s.num_new_tokens for s in schedule.scheduled if s.num_new_tokens > 1
         )
-        self.preemption.observe_prefill(num_prefill_tokens, time.perf_counter() - started)
+        if self.preemption.measures_prefill(num_prefill_tokens):
+            self.runner.synchronize()  # the step's device work, not just its launches
+            self.preemption.observe_prefill(num_prefill_tokens, time.perf_counter() - started)
         for scheduled in schedule.scheduled:
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(scheduled.seq)
@@ -200,6 +255,40 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _fail_culprits(
+        self,
+        scheduled: list[ScheduledSequence],
+        blocks_to_copy: list[tuple[int, int]],
+        error: Exception,
+    ) -> NoReturn:
+        """The step's batch raised `error`: ends the sequences that raise alone and raises
+        StepFailure naming them, or re-raises `error` if none does (module docstring)."""
+        if len(scheduled) == 1:
+            culprits: dict[str, Exception] = {scheduled[0].seq.request_id: error}
+        else:
+            culprits = {}
+            for item in scheduled:
+                # Every lone run repeats the step's copy-on-write copies (idempotent): the
+                # schedule that asked for them is gone, and the re-run will not ask again.
+                alone = SchedulerOutput(scheduled=[item], blocks_to_copy=blocks_to_copy)
+                generator = item.seq.generator
+                generator_state = generator.get_state() if generator is not None else None
+                try:
+                    self.runner.execute(alone)
+                except Exception as lone_error:  # noqa: BLE001 (whatever it is, it is its own)
+                    culprits[item.seq.request_id] = lone_error
+                finally:
+                    if generator is not None:
+                        generator.set_state(generator_state)
+            if not culprits:
+                raise error
+        for request_id, culprit_error in culprits.items():
+            logger.error(
+                "request %s failed the engine step on its own", request_id, exc_info=culprit_error
+            )
+            self.finish_request(request_id, "error")
+        raise StepFailure(culprits) from error
 
     def _swap(self, schedule: SchedulerOutput) -> None:
         """The step's swaps, before anything writes the device blocks a swap-out gave up."""
@@ -253,13 +342,15 @@ class LLMEngine:
         first_token_id: int,
         num_cached_tokens: int = 0,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> str | None:
         """Decode side: joins the running batch with the prompt's KV already in `block_ids`
         (reserved here, filled by a transfer) and its first token sampled elsewhere. Returns
-        the finish reason if that token already ends the request (its blocks are then freed)."""
+        the finish reason if that token already ends the request (its blocks are then freed).
+        `arrival_time` is when the request reached this node (its rank in the batch's order)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         skip_sample(seq, self.model_config.vocab_size)
         self._unhold(block_ids)
         seq.block_table = list(block_ids)
@@ -290,6 +381,112 @@ class LLMEngine:
                 str(p): n for p, n in self.queue_wait.count_by_priority.items()
             },
         }
+
+    def warm_up(
+        self, max_tokens: int = WARM_UP_MAX_TOKENS, kernel_variants: bool | None = None
+    ) -> None:
+        """Throwaway steps before a node serves, so that what a first request would pay once
+        (Triton kernels compiling on first use, library and allocator set-up) is paid before
+        the node reports ready, holding the GIL where no heartbeat is due yet:
+          1. a prefill of a throwaway prompt of up to `max_tokens` tokens (and the step
+             budget), twice: the first pays the one-time costs, the second is timed, device
+             work included, for the prefill speed the node reports to the router
+             (router/queue_delay.py);
+          2. with `kernel_variants` (default: on a CUDA device; the CPU stops at 1), the
+             steps the first real requests hit next, each kernel variant compiled once: a
+             mixed step (that prompt's first decode beside a second, short prompt's prefill,
+             sampled with every filter on), a decode batch of both, then the short one's
+             decode alone (one token or several; one split of the keys or several).
+        It borrows free blocks directly and gives them back, and restores the sampler's
+        random state: no request, prefix-cache entry or statistic but the measured speed
+        remains. Too few free blocks: it does less."""
+        config = self.config
+        if kernel_variants is None:
+            kernel_variants = self.runner.device.type == "cuda"
+        decodes_after_prompt = WARM_UP_DECODE_STEPS if kernel_variants else 0
+        num_tokens = min(
+            max_tokens, config.max_num_batched_tokens, self.max_model_len - decodes_after_prompt
+        )
+        if num_tokens < 1:
+            return
+        borrowed: list[int] = []
+        generator = self.runner.sampler.generator
+        generator_state = generator.get_state()
+        try:
+            long = self._warm_up_sequence(
+                "warm-up", num_tokens, num_tokens + decodes_after_prompt, borrowed
+            )
+            if long is None:
+                return
+            step = SchedulerOutput(scheduled=[ScheduledSequence(long, num_tokens)])
+            for measured in (False, True):
+                started = time.perf_counter()
+                samples = self.runner.execute(step)
+                self.runner.synchronize()
+                if measured:
+                    self.preemption.observe_prefill(num_tokens, time.perf_counter() - started)
+            if not kernel_variants:
+                return
+            self._advance_warm_up(step, samples)
+            short_tokens = min(
+                WARM_UP_SHORT_PROMPT_TOKENS,
+                config.max_num_batched_tokens - 1,
+                self.max_model_len - WARM_UP_DECODE_STEPS,
+            )
+            if short_tokens < 1:
+                return
+            short = self._warm_up_sequence(
+                "warm-up-short", short_tokens, short_tokens + WARM_UP_DECODE_STEPS, borrowed,
+                SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1),
+            )
+            if short is None:
+                return
+            for chunks in (
+                [(long, 1), (short, short_tokens)],
+                [(long, 1), (short, 1)],
+                [(short, 1)],
+            ):
+                step = SchedulerOutput(scheduled=[ScheduledSequence(*c) for c in chunks])
+                self._advance_warm_up(step, self.runner.execute(step))
+            self.runner.synchronize()
+        finally:
+            self.block_manager.release_blocks(borrowed)
+            generator.set_state(generator_state)
+
+    def _warm_up_sequence(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        num_slots: int,
+        borrowed: list[int],
+        params: SamplingParams | None = None,
+    ) -> Sequence | None:
+        """A throwaway sequence with blocks for `num_slots` tokens, borrowed from the free
+        list (their ids appended to `borrowed`); None when too few blocks are free."""
+        block_ids = self.block_manager.allocate_blocks(
+            self.block_manager.blocks_for_tokens(num_slots)
+        )
+        if block_ids is None:
+            return None
+        borrowed.extend(block_ids)
+        vocab_size = self.model_config.vocab_size
+        seq = self._new_sequence(
+            request_id,
+            [i % vocab_size for i in range(num_prompt_tokens)],
+            params or SamplingParams(temperature=0, max_tokens=1),
+        )
+        seq.block_table = block_ids
+        return seq
+
+    @staticmethod
+    def _advance_warm_up(
+        step: SchedulerOutput, samples: list[tuple[ScheduledSequence, SampleResult]]
+    ) -> None:
+        """Marks a warm-up step's chunks computed and appends their sampled tokens."""
+        for scheduled in step.scheduled:
+            scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
+        for scheduled, sample in samples:
+            scheduled.seq.token_ids.append(sample.token_id)
 
     def check_integrity(self) -> None:
         tables = [seq.block_table for seq in self.sequences.values()]

@@ -7,6 +7,11 @@ Sockets (addresses come from the constructor; nothing is module-global):
   PUSH of the heartbeat thread        -> router: Heartbeat (engine/heartbeat.py), every
                                          `heartbeat_interval`, during long engine steps too
 
+Start: the engine warms up when the runtime is built (`LLMEngine.warm_up`), before anything is
+sent: a first forward's one-time costs (kernel JIT compilation, library and allocator set-up)
+may hold the GIL long enough to starve the heartbeat thread, so they are paid before the first
+NodeStats registers the node with the router (engine/heartbeat.py).
+
 Loop (`run()` until `stop()`):
   1. poll the PULL socket for up to `poll_timeout_ms()` (0 while `busy()`, else IDLE_POLL_MS),
      so the work loop never blocks on I/O; then drain every pending message into `handle(message)`; malformed
@@ -73,6 +78,7 @@ class NodeRuntime:
         self._stop = threading.Event()
         self._outbox: collections.deque[tuple[Any, bytes]] = collections.deque()
         self._peers: dict[str, Any] = {}
+        engine.warm_up()  # before the first heartbeat: a node is ready once it is warm
 
     # -- hooks for the roles -----------------------------------------------------------------
 
@@ -212,6 +218,7 @@ class NodeRuntime:
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "instance_id": self.instance_id,
             "num_leaked_blocks": self.num_leaked_blocks,
+            "prefill_tokens_per_s": engine.preemption.measured_prefill_tokens_per_s,
         }
         fields.update(self.stats_fields())
         return NodeStats(**fields)

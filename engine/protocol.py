@@ -158,6 +158,7 @@ class NodeStats:
     swap_in_bytes_total: int = 0
     queue_wait_seconds_by_priority: dict[str, float] = field(default_factory=dict)
     queue_wait_requests_by_priority: dict[str, int] = field(default_factory=dict)
+    prefill_tokens_per_s: float = 0.0  # measured; 0.0: not yet
 
 
 @dataclass

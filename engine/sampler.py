@@ -3,6 +3,11 @@
 Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then sample with
 exponential races (argmax of p / Exp(1) noise), drawing the noise from the sequence's own
 generator when it has a seed, so its tokens do not depend on what else is in the batch.
+
+Every per-row number is brought into its tensor's range here as well as in `SamplingParams`:
+temperatures into [GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE], top-k into [1, vocabulary],
+stop token ids outside the vocabulary are left out, so no row can overflow a tensor (and fail
+the rows batched with it).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_params import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
 from engine.sequence import Sequence
 
 
@@ -61,21 +67,30 @@ class Sampler:
 
     @staticmethod
     def _suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        vocab = logits.shape[-1]
         for i, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
-                logits[i, list(seq.stop_token_ids)] = float("-inf")
+                stop_ids = [t for t in seq.stop_token_ids if 0 <= t < vocab]
+                logits[i, stop_ids] = float("-inf")
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
-        temperatures = torch.tensor([s.params.temperature for s in seqs], device=device)
+        vocab = logits.shape[-1]
+        temperatures = torch.tensor(
+            [
+                min(max(s.params.temperature, GREEDY_TEMPERATURE_BELOW), MAX_TEMPERATURE)
+                for s in seqs
+            ],
+            dtype=logits.dtype,
+            device=device,
+        )
         logits = logits / temperatures[:, None]
-        top_ks = [s.params.top_k for s in seqs]
+        top_ks = [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs]
         top_ps = [s.params.top_p for s in seqs]
-        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
-            vocab = logits.shape[-1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device)
+            ks = torch.tensor(top_ks, device=device)
             ranks = torch.arange(vocab, device=device)
             drop = ranks[None, :] >= ks[:, None]
             sorted_probs = sorted_logits.softmax(dim=-1)

@@ -1,19 +1,68 @@
+"""Per-request sampling settings, checked once at construction so that whatever reaches the
+sampler fits its tensors: a node is safe with or without the router's own checks in front."""
+
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
+from typing import Any
 
 MAX_LOGPROBS = 20
+# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow them.
+GREEDY_TEMPERATURE_BELOW = 1e-5
+# Far past where sampling is uniform for any real model's logits; keeps them finite in fp32.
+MAX_TEMPERATURE = 100.0
+INT32_MAX = 2**31 - 1
+# torch.Generator.manual_seed takes [-2**63, 2**64); requests keep to signed 64-bit.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _integer(name: str, value: Any, low: int, high: int) -> int:
+    """`value` as an int in [low, high] (numpy integers welcome); ValueError otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if not low <= number <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {_short(number)}")
+    return number
+
+
+def _real(name: str, value: Any) -> float:
+    """`value` as a finite float; ValueError for anything else (bools, strings, NaN, inf)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")  # noqa: TRY004
+    try:
+        number = float(value)
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {number}")
+    return number
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut short (a client can send a 4,000-digit integer)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop. Checked once, at construction.
 
-    temperature 0 is greedy. top_k -1 (or 0) and top_p 1 disable those filters. `seed` makes a
-    request's samples reproducible whatever else shares its batches. `logprobs` N returns the
-    sampled token's log-probability and the N most likely alternatives (0 <= N <= 20).
-    `stop` strings end the text before the match; `stop_token_ids` add to the model's own
-    end-of-sequence ids, which `ignore_eos` disables; neither can stop before `min_tokens`.
+    temperature 0 is greedy, and so is any temperature below 1e-5 (it is set to 0); at most
+    100. top_k -1 (or 0) and top_p 1 disable those filters; a top_k beyond the vocabulary keeps
+    the whole vocabulary. `seed` (signed 64-bit) makes a request's samples reproducible
+    whatever else shares its batches. `logprobs` N returns the sampled token's log-probability
+    and the N most likely alternatives (0 <= N <= 20). `stop` strings end the text before the
+    match; `stop_token_ids` add to the model's own end-of-sequence ids, which `ignore_eos`
+    disables; neither can stop before `min_tokens`. Every count is at most 2**31 - 1, so it
+    fits any integer tensor; the engine checks token ids against the vocabulary.
     """
 
     temperature: float = 1.0
@@ -29,29 +78,47 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")  # noqa: TRY004
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0:
-            self.top_k = -1
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        self.max_tokens = _integer("max_tokens", self.max_tokens, 1, INT32_MAX)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, INT32_MAX)
+        if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), "
                 f"got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.temperature = _real("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature}"
+            )
+        if self.temperature < GREEDY_TEMPERATURE_BELOW:
+            self.temperature = 0.0
+        self.top_p = _real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_k = _integer("top_k", self.top_k, -1, INT32_MAX)
+        self.top_k = -1 if top_k == 0 else top_k  # 0 disables it, as -1 does
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, SEED_MIN, SEED_MAX)
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for flag in ("ignore_eos", "skip_special_tokens"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise ValueError(  # noqa: TRY004 (every bad parameter is a ValueError)
+                    f"{flag} must be true or false, got {type(value).__name__}"
+                )
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError("stop must be a string or a list of strings")
+        self.stop = [s for s in stop if s]
+        stop_ids = self.stop_token_ids or []
+        if not isinstance(stop_ids, (list, tuple)):
+            raise ValueError(  # noqa: TRY004 (every bad parameter is a ValueError)
+                f"stop_token_ids must be a list, got {type(stop_ids).__name__}"
+            )
+        self.stop_token_ids = [
+            _integer("a stop_token_ids entry", t, 0, INT32_MAX) for t in stop_ids
+        ]
 
     @property
     def greedy(self) -> bool:

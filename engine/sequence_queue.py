@@ -25,10 +25,14 @@ class PriorityOrder:
         self.aging_s = aging_s
 
     def rank(self, seq: Sequence) -> tuple[float, ...]:
+        return self.rank_of(seq.priority, seq.arrival_time, seq.sequence_number)
+
+    def rank_of(self, priority: int, arrival_time: float, number: int) -> tuple[float, ...]:
+        """The rank of anything waiting with a priority and an arrival time (`number`, unique
+        and increasing, breaks ties)."""
         if self.aging_s == 0:
-            return (seq.priority, seq.arrival_time, seq.sequence_number)
-        aged = seq.arrival_time + seq.priority * self.aging_s
-        return (aged, seq.arrival_time, seq.sequence_number)
+            return (priority, arrival_time, number)
+        return (arrival_time + priority * self.aging_s, arrival_time, number)
 
 
 class SequenceQueue:

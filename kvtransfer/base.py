@@ -8,8 +8,11 @@ Decode node (`KVReceiver`)
                                  KV buffer (in shared memory for shm); the engine runs on it.
   register(kv_cache, model_fingerprint)        once, right after: opens the channel and
                                  returns the `KVDescriptor` the node publishes to prefill nodes.
-  expect(transfer_id, block_ids, deadline)     when the node has reserved destination blocks for
-                                 a request, before it tells the prefill node the target blocks.
+  expect(transfer_id, block_ids, deadline, budget_s)  when the node has reserved destination
+                                 blocks for a request, before it tells the prefill node the
+                                 target blocks. With `budget_s`, `deadline` bounds the wait for
+                                 the sender's first write (the prompt may still be queued on the
+                                 prefill node) and the transfer then has `budget_s` from it.
   abort(transfer_id)             when the request is aborted (client gone, router Abort).
   poll()                         every loop iteration: COMPLETE (all blocks of all layers
                                  arrived; the request may decode), FAILED (deadline passed or
@@ -34,8 +37,9 @@ Prefill node (`KVSender`, one per decode node it writes to)
   abort(transfer_id)             when the request is aborted on the prefill side.
   close()                        at shutdown.
 
-Deadlines belong to the decode side: `expect` sets one, the sender learns the seconds left when
-its first write is granted, and both sides fail the transfer when it passes, with an error that
+Deadlines belong to the decode side: `expect` sets one (a transfer's own clock starts at its
+first write when `expect` gives a budget), the sender learns the seconds left when its first
+write is granted, and both sides fail the transfer when it passes, with an error that
 names the request (transfer ids are request ids).
 """
 
@@ -85,9 +89,16 @@ class KVReceiver(abc.ABC):
     def descriptor(self) -> KVDescriptor: ...
 
     @abc.abstractmethod
-    def expect(self, transfer_id: str, block_ids: list[int], deadline: float) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline: float,
+        budget_s: float | None = None,
+    ) -> None:
         """`deadline` is a time.monotonic() value; block ids must not be held by another
-        transfer that is still expected or not yet released."""
+        transfer that is still expected or not yet released. With `budget_s`, the deadline
+        ends only the wait for the first write, which restarts the clock with `budget_s`."""
 
     @abc.abstractmethod
     def abort(self, transfer_id: str) -> None: ...

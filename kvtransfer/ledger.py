@@ -3,7 +3,11 @@ complete, and when its blocks may be given back.
 
 A transfer moves through these states; each has a deadline:
   expected   `expect()` registered its destination blocks and deadline. The first sender whose
-             Begin arrives is granted it; writes from any other sender are dropped.
+             Begin arrives is granted it; writes from any other sender are dropped. With a
+             `budget_s`, the deadline given to `expect()` bounds only the wait for that first
+             Begin (the prompt may sit in the prefill node's queue meanwhile); the grant then
+             moves the deadline to the grant time plus `budget_s`, so the transfer's own
+             clock runs from when its first block was computed.
   complete   every (block, layer) pair arrived: COMPLETE is reported and the ledger forgets the
              transfer (the owner keeps the blocks).
   failed     the deadline passed, the owner aborted, or the sender abandoned it: FAILED is
@@ -48,6 +52,7 @@ class ExpectedTransfer:
     writer: bytes | None = None
     error: str | None = None
     release_at: float | None = None
+    budget_from_grant: bool = False
     block_set: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +84,16 @@ class TransferLedger:
     def held_block_count(self) -> int:
         return len(self._holder_of_block)
 
-    def expect(self, transfer_id: str, block_ids: list[int], deadline: float, now: float) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline: float,
+        now: float,
+        budget_s: float | None = None,
+    ) -> None:
+        """`deadline` ends the transfer; with `budget_s` it ends only the wait for the grant,
+        and the grant sets the deadline to the grant time plus `budget_s`."""
         if not 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
             raise ValueError(f"a transfer id has 1-{MAX_TRANSFER_ID_CHARS} characters")
         if transfer_id in self._transfers:
@@ -105,21 +119,25 @@ class TransferLedger:
             transfer_id=transfer_id,
             block_ids=tuple(block_ids),
             deadline=deadline,
-            budget_s=max(deadline - now, 0.0),
+            budget_s=max(deadline - now, 0.0) if budget_s is None else budget_s,
             missing_layers={block_id: all_layers for block_id in block_ids},
             num_missing=len(block_ids) * self.num_layers,
+            budget_from_grant=budget_s is not None,
         )
         self._recent.pop(transfer_id, None)
         for block_id in block_ids:
             self._holder_of_block[block_id] = transfer_id
 
-    def grant(self, transfer_id: str, writer: bytes) -> ExpectedTransfer | str:
-        """The transfer to grant, or why not."""
+    def grant(self, transfer_id: str, writer: bytes, now: float) -> ExpectedTransfer | str:
+        """The transfer to grant, or why not. The first grant of a transfer expected with a
+        budget starts its clock: the deadline becomes `now` plus the budget."""
         transfer = self._transfers.get(transfer_id)
         if transfer is None or transfer.error is not None:
             return f"transfer {transfer_id!r} is {self._describe_absent(transfer_id)}"
         if transfer.writer not in (None, writer):
             return f"transfer {transfer_id!r} is granted to another sender"
+        if transfer.writer is None and transfer.budget_from_grant:
+            transfer.deadline = now + transfer.budget_s
         transfer.writer = writer
         return transfer
 
@@ -195,15 +213,22 @@ class TransferLedger:
     def expire(self, now: float) -> None:
         for transfer in list(self._transfers.values()):
             if transfer.error is None and now >= transfer.deadline:
-                total = len(transfer.block_ids) * self.num_layers
-                self.fail(
-                    transfer.transfer_id,
-                    f"KV transfer for request {transfer.transfer_id!r} did not complete within "
-                    f"its {transfer.budget_s:.2f} s deadline ({total - transfer.num_missing} "
-                    f"of {total} block-layers arrived)",
-                )
+                self.fail(transfer.transfer_id, self._missed_deadline(transfer))
             elif transfer.release_at is not None and now >= transfer.release_at:
                 self._release(transfer)
+
+    def _missed_deadline(self, transfer: ExpectedTransfer) -> str:
+        if transfer.writer is None and transfer.budget_from_grant:
+            return (
+                f"the prefill node did not start the KV transfer for request "
+                f"{transfer.transfer_id!r} before its deadline (the prompt waited in its queue)"
+            )
+        total = len(transfer.block_ids) * self.num_layers
+        return (
+            f"KV transfer for request {transfer.transfer_id!r} did not complete within its "
+            f"{transfer.budget_s:.2f} s deadline ({total - transfer.num_missing} of {total} "
+            "block-layers arrived)"
+        )
 
     def next_timer(self) -> float | None:
         """The earliest deadline or release time still ahead."""

@@ -129,9 +129,17 @@ class ChannelReceiver(KVReceiver):
             raise RuntimeError("the KV receiver has not registered a buffer yet")
         return self._descriptor
 
-    def expect(self, transfer_id: str, block_ids: list[int], deadline: float) -> None:
+    def expect(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        deadline: float,
+        budget_s: float | None = None,
+    ) -> None:
         with self._lock:
-            self._ledger.expect(transfer_id, list(block_ids), deadline, time.monotonic())
+            self._ledger.expect(
+                transfer_id, list(block_ids), deadline, time.monotonic(), budget_s
+            )
         self._wakeup.wake()
 
     def abort(self, transfer_id: str) -> None:
@@ -278,7 +286,7 @@ class ChannelReceiver(KVReceiver):
 
     def _grant(self, identity: bytes, message: Begin) -> Any:
         with self._lock:
-            granted = self._ledger.grant(message.transfer_id, identity)
+            granted = self._ledger.grant(message.transfer_id, identity, time.monotonic())
         if isinstance(granted, str):
             logger.warning("KV channel: refused transfer %r: %s", message.transfer_id, granted)
             return Refuse(message.transfer_id, granted)

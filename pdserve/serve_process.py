@@ -12,7 +12,8 @@ from pdserve.launcher import free_port, wait_healthy
 
 
 class ServeProcess:
-    """`log_path`: where every process writes its output (default: this process's own)."""
+    """`log_path`: where every process writes its output (default: this process's own);
+    `port`: the HTTP port (default: a free one)."""
 
     def __init__(
         self,
@@ -20,8 +21,9 @@ class ServeProcess:
         ready_timeout_s: float = 300.0,
         quiet: bool = False,
         log_path: Path | None = None,
+        port: int | None = None,
     ):
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
         output = self._log or (subprocess.DEVNULL if quiet else None)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.cluster_auth import ClusterAuth
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepFailure
 from engine.node_runtime import NodeRuntime
 from engine.protocol import (
     Abort,
@@ -104,6 +104,10 @@ class PrefillNode(NodeRuntime):
             super().handle(message)
 
     def _admit(self, message: PrefillRequest) -> None:
+        """Queues the prompt, or fails this request alone, never the node: 400 for what the
+        request got wrong (a bad or mismatched descriptor, bad parameters), 503 when no KV
+        channel to its decode node can be opened from here (the router retries elsewhere),
+        500 for anything else."""
         request_id = message.request_id
         try:
             if request_id in self.requests:
@@ -121,6 +125,15 @@ class PrefillNode(NodeRuntime):
             logger.info("rejected prefill of %s: %s", request_id, error)
             self.send(RequestFailed(request_id, str(error), 400))
             return
+        except ConnectionError as error:
+            logger.warning("cannot prefill %s: %s", request_id, error)
+            self.send(RequestFailed(request_id, str(error), 503))
+            return
+        except Exception:
+            logger.exception("admitting prefill of %s failed", request_id)
+            reason = f"internal error while admitting the prefill of {request_id!r}"
+            self.send(RequestFailed(request_id, reason, 500))
+            return
         self.requests[request_id] = _Request(
             sender, message.decode_address, len(message.prompt_token_ids)
         )
@@ -129,13 +142,26 @@ class PrefillNode(NodeRuntime):
     def _sender(self, encoded_descriptor: bytes) -> KVSender:
         """The sender to the decode node `encoded_descriptor` describes. A decode node whose
         descriptor changed was restarted (new channel, new buffer): its old sender is closed,
-        so nothing is ever written into a previous incarnation's buffer."""
+        so nothing is ever written into a previous incarnation's buffer. A descriptor this node
+        cannot use raises ValueError or TypeError; one the transport cannot attach to from this
+        process (a GPU not visible here, a segment gone) raises ConnectionError. Either way the
+        new sender is closed and the current one, if any, is kept."""
         descriptor = KVDescriptor.decode(encoded_descriptor)
         current = self.senders.get(descriptor.node_id)
         if current is not None and current[0] == encoded_descriptor:
             return current[1]
         sender = ChannelSender(self.transport, SenderConfig(cluster_auth=self.cluster_auth))
-        sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
+        try:
+            sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
+        except (ValueError, TypeError):
+            sender.close()
+            raise
+        except Exception as error:  # the transport cannot reach that buffer from this process
+            sender.close()
+            raise ConnectionError(
+                f"cannot open a {self.transport} KV channel to decode node "
+                f"{descriptor.node_id!r}: {type(error).__name__}: {error}"
+            ) from error
         if current is not None:
             logger.info("decode node %s has a new KV channel; closing the old", descriptor.node_id)
             self._close_sender(current[1])
@@ -176,6 +202,11 @@ class PrefillNode(NodeRuntime):
         if self.prefill.has_work():
             try:
                 firsts = self.prefill.step()
+            except StepFailure as failure:  # these alone; the rest of the step runs again
+                for request_id, error in failure.errors.items():
+                    message = f"internal error while prefilling ({type(error).__name__})"
+                    self._fail(request_id, message, 500)
+                firsts = []
             except Exception:  # fail the requests, keep the node
                 logger.exception("prefill step failed")
                 for request_id in list(self.requests):

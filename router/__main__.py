@@ -10,16 +10,134 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
+from typing import Any
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.cluster_auth import SECRET_ENV, ClusterAuth
 from router.app import create_app
 from router.config import RouterConfig
 from router.drain import DrainingServer
+
+# Connections: one idle between requests (or since it opened) is closed after
+# KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within
+# REQUEST_HEAD_TIMEOUT_S of the connection being ready for them, and be at most
+# MAX_REQUEST_HEAD_BYTES (else 400); the body must all arrive within REQUEST_BODY_TIMEOUT_S
+# of the head (1 MiB, the largest body, at 17 KB/s).
+KEEP_ALIVE_TIMEOUT_S = 5
+REQUEST_HEAD_TIMEOUT_S = 10.0
+REQUEST_BODY_TIMEOUT_S = 60.0
+MAX_REQUEST_HEAD_BYTES = 16 * 1024
+
+
+class RequestDeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head and for its body, and
+    the idle timeout from the start. uvicorn's keep-alive timer runs only after a response and
+    restarts at every byte, so a connection that never sends anything, or a client that sends
+    its request a byte a second (slow loris), would hold its connection forever.
+
+    Here, from the moment a connection is ready for a request (it opened, or the previous
+    request was read and answered), its whole head must arrive within `head_timeout_s`, and
+    then its whole body within `body_timeout_s`, however they trickle in; else the connection
+    is closed (a route reading the body sees its client gone)."""
+
+    def __init__(
+        self, *args: Any, head_timeout_s: float, body_timeout_s: float, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeouts_s = {"head": head_timeout_s, "body": body_timeout_s}
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaiting: str | None = None  # the part of a request the deadline runs for
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+        self._follow_request()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow_request()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow_request()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_deadline(None)
+        super().connection_lost(exc)
+
+    def _follow_request(self) -> None:
+        """Starts the deadline of the part of a request the connection now waits for (h11:
+        IDLE, the head; SEND_BODY, the body), keeps the one running for the same part, and
+        stops it once the request has been read."""
+        state = self.conn.their_state
+        if self.transport.is_closing():
+            awaiting = None
+        elif state is h11.IDLE:
+            awaiting = "head"
+        elif state is h11.SEND_BODY:
+            awaiting = "body"
+        else:
+            awaiting = None
+        if awaiting != self._awaiting:
+            self._set_deadline(awaiting)
+
+    def _set_deadline(self, awaiting: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._awaiting = awaiting
+        if awaiting is not None:
+            timeout_s = self.timeouts_s[awaiting]
+            self._deadline = self.loop.call_later(timeout_s, self._late, awaiting)
+
+    def _late(self, awaiting: str) -> None:
+        self._deadline = None
+        if self._awaiting != awaiting or self.transport.is_closing():
+            return
+        host, port = self.client or ("?", 0)
+        self.logger.info(
+            "%s:%d sent no complete request %s within %g s; closing its connection",
+            host,
+            port,
+            awaiting,
+            self.timeouts_s[awaiting],
+        )
+        self.transport.close()
+
+
+def uvicorn_config(
+    app: Any,
+    config: RouterConfig,
+    log_level: str = "warning",
+    keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S,
+    head_timeout_s: float = REQUEST_HEAD_TIMEOUT_S,
+    body_timeout_s: float = REQUEST_BODY_TIMEOUT_S,
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        loop="uvloop",
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        http=functools.partial(
+            RequestDeadlineH11Protocol,
+            head_timeout_s=head_timeout_s,
+            body_timeout_s=body_timeout_s,
+        ),
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # seconds
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
@@ -54,6 +172,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
         metavar="N",
         help="prompt tokens of the requests admitted and not started yet; past it, 429 "
         "(default 1048576)",
+    )
+    parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="refuse (429) a request that would wait longer than this before its prefill "
+        "starts: queued prompt tokens / the node's measured prefill speed, or the age of the "
+        "oldest request still waiting there (default 30)",
     )
     parser.add_argument(
         "--stream-stall-timeout",
@@ -109,6 +236,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
             max_n=args.max_n,
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,
+            max_queue_delay_s=args.max_queue_delay,
             stream_stall_timeout_s=args.stream_stall_timeout,
             max_stream_buffer_tokens=args.max_stream_buffer_tokens,
             node_timeout_s=args.node_timeout,
@@ -123,17 +251,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
 async def serve(config: RouterConfig, log_level: str = "warning") -> None:
     app = create_app(config)
     server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=log_level,
-            loop="uvloop",
-            lifespan="on",
-            timeout_graceful_shutdown=5,
-        ),
-        app.state.router,
-        config.drain_timeout_s,
+        uvicorn_config(app, config, log_level), app.state.router, config.drain_timeout_s
     )
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -3,23 +3,32 @@ metrics) per app; nothing is module-global.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics. Request flow: admission queue full (429, before any parsing or tokenization) ->
-read the body (413/400) -> validate (400) -> model (404) -> parameter checks (400) -> a live
-node (503) -> prompt ids vs. vocabulary and context (400) -> draining after SIGTERM (503,
-router/drain.py) -> prompt and completion vs. the largest live KV cache (400: it could never
-be served) -> admission queue bounds (429) ->
-submit n sub-requests -> JSON or SSE answer. A client that goes away gets every sub-request
-aborted; so does a stream whose client stops reading (router/sse.py, router/generation.py).
+read the body (413/400; the server bounds how long it may take) -> validate (400) -> model (404)
+-> prompt characters vs. context (400, without tokenizing: `max_chars_per_token`) -> in a
+worker thread, never on the event loop: parameter checks (400) -> a live node (503) -> chat
+template and tokenizing -> prompt ids vs. vocabulary and context (400) -> back on the loop:
+draining after SIGTERM (503, router/drain.py) -> prompt and completion vs. the largest live KV
+cache (400: it could never be served) -> admission queue bounds (429) -> submit n sub-requests
+-> JSON or SSE answer. A client that goes away gets every sub-request aborted; so does a
+stream whose client stops reading (router/sse.py, router/generation.py).
+
+Every request runs behind `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
+on a connection that stays usable, and a generation is closed (its admission places and node
+sub-requests given back) when its request ends, however it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,8 +39,16 @@ from router.admission import AdmissionQueue
 from router.auth import APIKeyMiddleware
 from router.body import read_json_object
 from router.config import RouterConfig
-from router.errors import APIError, error_body, install_error_handlers, validation_error
-from router.generation import ClientDisconnected, Generation
+from router.errors import (
+    APIError,
+    RequestGuard,
+    at_request_end,
+    error_body,
+    install_error_handlers,
+    invalid,
+    validation_error,
+)
+from router.generation import Generation
 from router.logprobs import LogprobFormatter
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
@@ -41,6 +58,7 @@ from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse
 from router.validation import (
     KVCapacity,
+    Limits,
     Plan,
     check_kv_capacity,
     check_model,
@@ -48,9 +66,86 @@ from router.validation import (
     plan_completion,
 )
 
-CLIENT_CLOSED_REQUEST = 499
+# Threads that tokenize and apply chat templates (HF tokenizers release the GIL while they
+# encode); the characters of a prompt are bounded before it gets there.
+NUM_TOKENIZER_THREADS = 4
 
 logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
+
+
+class WorkerThreads:
+    """A few threads for the blocking work of a request (chat templates, tokenizing), so the
+    event loop keeps serving every other request and stream meanwhile. Started on first use;
+    `shutdown()` (at the app's shutdown) stops them, and a later use starts new ones."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self.num_threads = num_threads
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., Result], *args: Any) -> Result:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix=self.name)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+_KEEPS_TEXT_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"}
+)
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, or None when the tokenizer does
+    not make that knowable. It does for a BPE model that fuses no run of unknown characters
+    into one token, with no normalizer that may shorten the text (NFC merges characters,
+    others drop some), no pre-tokenizer that drops characters, and no added token that
+    swallows the whitespace next to it: then every token's vocabulary string (byte-level: one
+    character per byte) is at least as long as the text it stands for."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 (not a tokenizers.Tokenizer: no bound)
+        return None
+    model = spec.get("model") or {}
+    added = spec.get("added_tokens") or []
+    if (
+        model.get("type") != "BPE"
+        or (model.get("fuse_unk") and not model.get("byte_fallback"))
+        or not _keeps_length(spec.get("normalizer"))
+        or not _keeps_text(spec.get("pre_tokenizer"))
+        or any(token.get("lstrip") or token.get("rstrip") for token in added)
+    ):
+        return None
+    contents = [*(model.get("vocab") or {}), *(token.get("content", "") for token in added)]
+    return max(map(len, contents), default=0) or None
+
+
+def _keeps_length(normalizer: dict[str, Any] | None) -> bool:
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(map(_keeps_length, normalizer.get("normalizers", [])))
+    if kind == "Replace":
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        return pattern is not None and len(normalizer.get("content", "")) >= len(pattern)
+    return kind == "Prepend"
+
+
+def _keeps_text(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(map(_keeps_text, pre_tokenizer.get("pretokenizers", [])))
+    return kind in _KEEPS_TEXT_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
 
 
 class RouterState:
@@ -72,8 +167,11 @@ class RouterState:
             on_liveness=self._on_liveness,
             on_retry=self.metrics.request_retries.inc,
             cluster_auth=config.cluster_auth,
+            max_queue_delay_s=config.max_queue_delay_s,
         )
         self.formatter = LogprobFormatter(self.tokenizer)
+        self.tokenizer_threads = WorkerThreads(NUM_TOKENIZER_THREADS, "router-tokenize")
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.created = int(time.time())
         self.draining = False  # set on SIGTERM (router/drain.py): new requests get 503
 
@@ -88,6 +186,41 @@ class RouterState:
         if node is None:
             raise APIError(503, "No inference node is available; try again later.")
         return node.stats.max_model_len, node.stats.vocab_size
+
+    def limits_now(self) -> Limits:
+        """`limits()` read now, on the event loop (it reads the node registry), as a function
+        that gives the same answer, or raises the same 503, later and from any thread."""
+        try:
+            known = self.limits()
+        except APIError as error:
+            no_node = error
+
+            def unavailable() -> tuple[int, int]:
+                raise no_node
+
+            return unavailable
+        return lambda: known
+
+    def check_prompt_chars(self, num_chars: int, limits: Limits, param: str) -> None:
+        """400 for a prompt of more characters than the model's context can hold as tokens,
+        decided without tokenizing it. Skipped when the tokenizer gives no bound per token,
+        or when no node is alive (the request's plan answers that)."""
+        if self.max_chars_per_token is None:
+            return
+        try:
+            max_model_len, _ = limits()
+        except APIError:
+            return
+        max_chars = max_model_len * self.max_chars_per_token
+        if num_chars > max_chars:
+            raise invalid(
+                f"This model's maximum context length is {max_model_len:,} tokens. However, "
+                f"'{param}' has {num_chars:,} characters of text, more than {max_model_len:,} "
+                f"tokens can hold (a token of this model stands for at most "
+                f"{self.max_chars_per_token} characters). Please reduce the length of the "
+                f"{param}.",
+                param,
+            )
 
     def kv_capacity(self) -> KVCapacity:
         """The largest KV caches (in blocks) of the live nodes that would serve a request."""
@@ -121,6 +254,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             yield
         finally:
             await state.client.stop()
+            state.tokenizer_threads.shutdown()
 
     app = FastAPI(
         title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
@@ -128,6 +262,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     app.state.router = state
     install_error_handlers(app, on_error=state.metrics.error)
     app.add_middleware(APIKeyMiddleware, api_key=config.api_key, on_error=state.metrics.error)
+    app.add_middleware(RequestGuard, on_error=state.metrics.error)  # added last: outermost
 
     async def run(request: Request, chat: bool, req: Any, plan: Plan) -> Response:
         if state.draining:
@@ -145,6 +280,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
+        at_request_end(request.scope, generation.close)  # before start(): covers every exit
         generation.start()
         generation.poll_disconnect = request.is_disconnected
         events = generation.events()
@@ -152,9 +288,6 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             if not req.stream:
                 return JSONResponse(await responder.collect(events))
             first = await anext(events)
-        except ClientDisconnected:
-            state.metrics.error("client_disconnected")
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
         finally:
             generation.poll_disconnect = None
             if not req.stream:
@@ -180,7 +313,12 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         state.admission.check_room()
         req = _parse(CompletionRequest, await read_json_object(request, config.max_body_bytes))
         check_model(req.model, config.model_name)
-        plan = plan_completion(req, config, state.tokenizer, state.limits)
+        limits = state.limits_now()
+        if isinstance(req.prompt, str):
+            state.check_prompt_chars(len(req.prompt), limits, "prompt")
+        plan = await state.tokenizer_threads.run(
+            plan_completion, req, config, state.tokenizer, limits
+        )
         return await run(request, False, req, plan)
 
     @app.post("/v1/chat/completions")
@@ -189,7 +327,10 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         data = await read_json_object(request, config.max_body_bytes)
         req = _parse(ChatCompletionRequest, data)
         check_model(req.model, config.model_name)
-        plan = plan_chat(req, config, state.tokenizer, state.limits)
+        limits = state.limits_now()
+        num_chars = sum(len(message.text()) for message in req.messages)
+        state.check_prompt_chars(num_chars, limits, "messages")
+        plan = await state.tokenizer_threads.run(plan_chat, req, config, state.tokenizer, limits)
         return await run(request, True, req, plan)
 
     @app.get("/v1/models")

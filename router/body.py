@@ -1,5 +1,7 @@
 """Reads a request body as a JSON object: 413 over the size limit, 400 for invalid UTF-8,
-malformed JSON (NaN and Infinity included) or anything but an object."""
+malformed JSON (NaN and Infinity included) or anything but an object. A client that goes away
+while sending it (or is cut off by the server's deadline for a body, router/__main__.py)
+raises `ClientDisconnected`."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import json
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from router.errors import APIError, invalid
+from router.errors import APIError, ClientDisconnected, invalid
 
 
 def _reject_constant(name: str) -> Any:
@@ -22,11 +25,14 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         raise too_large
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected from None
     try:
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError:

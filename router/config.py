@@ -34,6 +34,11 @@ class RouterConfig:
     # and their prompt tokens; past either bound the router answers 429 (router/admission.py).
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
+    # A request whose prefill would start later than this is refused (429) at once: the node
+    # that would compute its prompt has more queued prompt tokens than it prefills in this
+    # time (its measured speed), or a request waiting there is already this old
+    # (router/queue_delay.py).
+    max_queue_delay_s: float = 30.0
     # Streaming: a write to the client blocked this long aborts the request; at most this many
     # tokens wait in the router for a client that reads slower than the node generates.
     stream_stall_timeout_s: float = 30.0
@@ -53,6 +58,10 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; expected an integer >= 1")
+        if not 0 < self.max_queue_delay_s <= 3600:
+            raise ValueError(
+                f"max_queue_delay_s is {self.max_queue_delay_s}; expected (0, 3600] s"
+            )
         if not 0 < self.stream_stall_timeout_s <= 3600:
             raise ValueError(
                 f"stream_stall_timeout_s is {self.stream_stall_timeout_s}; expected (0, 3600] s"

@@ -6,8 +6,15 @@ sub-request still running on the node, so a cancelled stream, a closed generator
 disconnect (`ClientDisconnected`, raised when the optional `poll_disconnect` says so) or a
 node failure never leaves work behind.
 
+Ownership: whoever calls `start()` must call `close()` once the request is over, whatever
+happened (the router registers it with `errors.at_request_end` before `start()`). `close()`
+is the one place that gives back everything a generation holds, so an exception anywhere
+between the admission and the end of the request (in `start()` itself, in a route, in a
+response that never ran) cannot leak an admission slot or a node sub-request.
+
 Bounds: each sub-request holds its place in the router's admission queue (admission.py) until
-its first token, its end or its abort. The node messages not yet read wait in an
+its first token, its end or its abort (`close()` gives back the places of the sub-requests
+that never started, submitted or not). The node messages not yet read wait in an
 `UpdateQueue`. While the stream's writes to its client are blocked (the client reads slower
 than the nodes generate), at most `max_buffer_tokens` tokens may wait there: past that the
 generation is aborted on the nodes at once and ends with an error, so the router never holds
@@ -26,16 +33,13 @@ from typing import Any
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.protocol import RequestFailed, TokenUpdate
 from router.admission import AdmissionQueue
-from router.errors import APIError
+from router.errors import APIError, ClientDisconnected, invalid
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.validation import Plan
 
 DISCONNECT_POLL_S = 0.05
-
-
-class ClientDisconnected(Exception):
-    """The client went away while its request was running."""
+WIRE_INT_RANGE = (-(1 << 63), 1 << 64)  # what msgpack can encode: int64 up to uint64
 
 
 class UpdateQueue(asyncio.Queue):
@@ -119,6 +123,7 @@ class Generation:
         self.queue = UpdateQueue(max_buffer_tokens, self._overflow)
         self.choices: list[_Choice] = []
         self._by_request_id: dict[str, _Choice] = {}
+        self._num_admitted = 0  # admission places held: sub-requests not started yet
         self.poll_disconnect: Callable[[], Awaitable[bool]] | None = None
         self._poll_at = 0.0
 
@@ -137,20 +142,16 @@ class Generation:
 
     def start(self) -> None:
         """Takes the choices' places in the admission queue (429 when it is full), then
-        submits every choice; 503 (after aborting those already sent) if one fails. Nothing
-        here awaits, so the admission check and the submits happen in one event-loop turn."""
+        submits every choice: 503 when no node can take one, 400 when a sampling value cannot
+        be sent to a node. Nothing here awaits, so the admission check and the submits happen
+        in one event-loop turn. On any error the places taken and the choices already
+        submitted stay held until `close()`, which the owner calls in every case."""
         if self.admission is not None:
             self.admission.admit(self.plan.n, self.prompt_tokens)
+            self._num_admitted = self.plan.n
         for index, sampling in enumerate(self.plan.samplings):
             sub_id = f"{self.request_id}-{index}"
-            try:
-                self.client.submit(
-                    sub_id, self.plan.prompt_ids, sampling, self.queue, self.plan.priority
-                )
-            except (LookupError, RuntimeError) as error:
-                self.close()
-                self._leave_admission(self.plan.n - index)
-                raise APIError(503, f"No node can take the request now ({error}).") from None
+            self._submit(sub_id, sampling)
             choice = _Choice(
                 index,
                 sub_id,
@@ -164,13 +165,39 @@ class Generation:
             self.choices.append(choice)
             self._by_request_id[sub_id] = choice
 
+    def _submit(self, sub_id: str, sampling: dict[str, Any]) -> None:
+        try:
+            self.client.submit(
+                sub_id, self.plan.prompt_ids, sampling, self.queue, self.plan.priority
+            )
+        except KeyError:
+            raise  # a bug, not a missing node (KeyError is a LookupError)
+        except (LookupError, RuntimeError) as error:
+            raise APIError(503, f"No node can take the request now ({error}).") from None
+        except OverflowError:
+            raise self._unsendable(sampling) from None
+
+    def _unsendable(self, sampling: dict[str, Any]) -> APIError:
+        """The 400 for a sampling value too large for the wire (validation bounds them all;
+        this is the last line, so the request fails alone and cleanly)."""
+        low, high = WIRE_INT_RANGE
+        for name, value in sampling.items():
+            if isinstance(value, int) and not low <= value < high:
+                return invalid(
+                    f"'{name}' must be between {low:,} and {high - 1:,} to be sent to a node.",
+                    name,
+                )
+        return invalid("A sampling value of the request is too large to be sent to a node.")
+
     def close(self) -> None:
-        """Aborts every sub-request that has not finished (idempotent, never blocks)."""
+        """Aborts every sub-request that has not finished and gives back every admission
+        place still held (idempotent, never blocks, never raises)."""
         for choice in self.choices:
             self._started(choice)
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 self.client.abort(choice.request_id)
+        self._leave_admission(self._num_admitted)
 
     def _started(self, choice: _Choice) -> None:
         """The choice leaves the admission queue (once)."""
@@ -181,6 +208,8 @@ class Generation:
     def _leave_admission(self, num_requests: int) -> None:
         if self.admission is None:
             return
+        num_requests = min(num_requests, self._num_admitted)
+        self._num_admitted -= num_requests
         for _ in range(num_requests):
             self.admission.leave(self.prompt_tokens)
 

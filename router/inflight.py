@@ -22,7 +22,7 @@ class InFlight:
     queue: asyncio.Queue
     node: NodeState
     prefill: NodeState | None = None
-    queued_tokens: int = 0
+    queued_at: NodeState | None = None  # the node computing its prompt, until it starts
     started: bool = False  # whether any token (or failure) arrived yet
     next_offset: int = 0
     early: dict[int, TokenUpdate] = field(default_factory=dict)

@@ -13,6 +13,9 @@ With live decode nodes a request is disaggregated: Generate goes to a decode nod
 naming the prefill node that computes the prompt; aborts go to both. Otherwise a colocated
 node serves it.
 
+Early refusal: a new request whose prompt would wait longer than `max_queue_delay_s` at the
+node that computes it (router/queue_delay.py) is refused with 429 before anything is sent.
+
 Retry policy: a request is lost when its decode (or colocated) node goes down or restarts,
 when its prefill node does so before the first token came back, or when a node answers
 RequestFailed 503 (a KV transfer failed or timed out, no KV blocks in time). While no token of
@@ -52,8 +55,10 @@ from engine.protocol import (
     decode,
     encode,
 )
+from router.errors import APIError
 from router.inflight import InFlight
 from router.node_registry import NodeRegistry, NodeState
+from router.queue_delay import PromptQueues
 from router.routing import PrefillRouter, pick_decode_node
 
 logger = logging.getLogger(__name__)
@@ -74,6 +79,7 @@ class NodeClient:
         on_liveness: Callable[[NodeState], None] | None = None,
         on_retry: Callable[[], None] | None = None,
         cluster_auth: ClusterAuth | None = None,
+        max_queue_delay_s: float | None = None,
     ) -> None:
         self.cluster_auth = cluster_auth or ClusterAuth.none()
         self.registry = NodeRegistry(
@@ -85,7 +91,9 @@ class NodeClient:
         self.on_liveness = on_liveness
         self.on_retry = on_retry
         self.clock = clock
-        self.prefill_router = prefill_router or PrefillRouter()
+        self.prompt_queues = PromptQueues()
+        self.prefill_router = prefill_router or PrefillRouter(self.prompt_queues)
+        self.max_queue_delay_s = max_queue_delay_s
         self.max_retries = max_retries
         self.inflight: dict[str, InFlight] = {}
         self._client_ids: dict[str, str] = {}  # a retry's node-side id -> the request's id
@@ -180,7 +188,8 @@ class NodeClient:
     ) -> asyncio.Queue:
         """Sends Generate to the best live node; updates arrive on the returned queue (pass
         one queue for several requests to read them merged). Raises LookupError when no node
-        is alive and RuntimeError when the node's socket cannot take the message."""
+        is alive, APIError 429 when the request would wait too long for its prefill, and
+        RuntimeError when the node's socket cannot take the message."""
         node = self.live_node()
         if node is None:
             raise LookupError("no live node")
@@ -188,31 +197,65 @@ class NodeClient:
             raise ValueError(f"request id {request_id!r} is in use")
         request = Generate(request_id, prompt_ids, sampling, priority=priority)
         entry = InFlight(queue if queue is not None else asyncio.Queue(), node, request=request)
-        self._send(entry, node, request_id)
+        prefill, computing, num_tokens = self._route(entry, node)
+        self._check_queue_delay(computing, num_tokens)
+        self._send(entry, request_id, node, prefill, computing, num_tokens)
         entry.submitted_at = self.clock()
         self.inflight[request_id] = entry
         return entry.queue
 
-    def _send(self, entry: InFlight, node: NodeState, wire_id: str) -> None:
-        """Sends the entry's Generate as `wire_id` to `node`; a decode node is told which
-        prefill node computes the prompt (one this request has not failed on, if one is
-        alive). Raises RuntimeError when the node's socket cannot take the message."""
-        message = dataclasses.replace(entry.request, request_id=wire_id, prefill_address=None)
-        prefill, queued_tokens = None, 0
-        if node.role == "decode":
-            live = self.registry.live("prefill")
-            fresh = [n for n in live if n.address not in entry.failed_prefills] or live
-            prefill, cached = self.prefill_router.pick(fresh, message.prompt_token_ids)
-            queued_tokens = len(message.prompt_token_ids) - cached
-            message.prefill_address = prefill.address
+    def _route(
+        self, entry: InFlight, node: NodeState
+    ) -> tuple[NodeState | None, NodeState, int]:
+        """For a request going to `node`: its prefill node (a decode node is told one this
+        request has not failed on, if one is alive; None for a colocated node), the node that
+        computes its prompt, and how many prompt tokens that node likely has to compute."""
+        prompt = entry.request.prompt_token_ids
+        if node.role != "decode":
+            return None, node, len(prompt)
+        live = self.registry.live("prefill")
+        fresh = [n for n in live if n.address not in entry.failed_prefills] or live
+        prefill, cached = self.prefill_router.pick(fresh, prompt)
+        return prefill, prefill, len(prompt) - cached
+
+    def _check_queue_delay(self, node: NodeState, num_tokens: int) -> None:
+        if self.max_queue_delay_s is None:
+            return
+        delay = self.prompt_queues.delay(node, num_tokens, self.clock())
+        if delay is not None and delay.seconds > self.max_queue_delay_s:
+            raise APIError(
+                429,
+                f"The server is overloaded: {delay.describe(node)}, more than the "
+                f"{self.max_queue_delay_s:g} s a request may wait to start. Try again later.",
+                code="rate_limit_exceeded",
+            )
+
+    def _send(
+        self,
+        entry: InFlight,
+        request_id: str,
+        node: NodeState,
+        prefill: NodeState | None,
+        computing: NodeState,
+        num_tokens: int,
+    ) -> None:
+        """Sends the entry's Generate to `node` under its current wire id, naming `prefill`
+        to a decode node; the request then waits in `computing`'s queue until it starts.
+        Raises RuntimeError when the node's socket cannot take the message."""
+        message = dataclasses.replace(
+            entry.request,
+            request_id=entry.wire_id or request_id,
+            prefill_address=prefill.address if prefill is not None else None,
+        )
         try:
             node.socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             raise RuntimeError("the node is not accepting requests") from None
-        entry.node, entry.prefill, entry.queued_tokens = node, prefill, queued_tokens
+        entry.node, entry.prefill, entry.queued_at = node, prefill, computing
+        self.prompt_queues.add(computing, request_id, num_tokens, self.clock())
         node.promised_blocks += -(-len(message.prompt_token_ids) // (node.stats.block_size or 16))
         if prefill is not None:
-            self.prefill_router.queue(prefill, queued_tokens)
+            self.prefill_router.remember(prefill, message.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Forgets the request and tells its nodes to drop it (never blocks, never raises)."""
@@ -237,8 +280,10 @@ class NodeClient:
 
     def _forget(self, request_id: str) -> InFlight | None:
         entry = self.inflight.pop(request_id, None)
-        if entry is not None:
-            self._started(entry)
+        if entry is not None and not entry.started:
+            entry.started = True  # no token can reach the client any more
+            if entry.queued_at is not None:
+                self.prompt_queues.remove(entry.queued_at, request_id)
             if entry.wire_id is not None:
                 self._client_ids.pop(entry.wire_id, None)
         return entry
@@ -258,21 +303,21 @@ class NodeClient:
         self._abort_on_nodes(entry, old_wire_id)
         if entry.prefill is not None:
             entry.failed_prefills.add(entry.prefill.address)
-            if not entry.started:
-                self.prefill_router.dequeue(entry.prefill, entry.queued_tokens)
-                entry.queued_tokens = 0
+        if entry.queued_at is not None:
+            self.prompt_queues.remove(entry.queued_at, request_id)
         node = self.live_node()
         if not entry.started and entry.attempts <= self.max_retries and node is not None:
             wire_id = f"{request_id}~{entry.attempts}"
+            entry.wire_id = wire_id
             try:
-                self._send(entry, node, wire_id)
+                self._send(entry, request_id, node, *self._route(entry, node))
             except RuntimeError as error:
+                entry.wire_id = old_wire_id
                 reason = f"{reason}; the retry failed: {error}"
             else:
                 entry.attempts += 1
                 self._client_ids.pop(old_wire_id, None)
                 self._client_ids[wire_id] = request_id
-                entry.wire_id = wire_id
                 if self.on_retry is not None:
                     self.on_retry()
                 via = f" via prefill node {entry.prefill.node_id}" if entry.prefill else ""
@@ -284,11 +329,11 @@ class NodeClient:
         self._forget(request_id)
         entry.queue.put_nowait(RequestFailed(request_id, reason, 503))
 
-    def _started(self, entry: InFlight) -> None:
+    def _started(self, request_id: str, entry: InFlight) -> None:
         if not entry.started:
             entry.started = True
-            if entry.prefill is not None:
-                self.prefill_router.dequeue(entry.prefill, entry.queued_tokens)
+            if entry.queued_at is not None:
+                self.prompt_queues.started(entry.queued_at, request_id, self.clock())
 
     # -- tasks -------------------------------------------------------------------------------
 
@@ -337,7 +382,7 @@ class NodeClient:
         entry.early[update.offset] = update
         while entry.next_offset in entry.early:
             ready = entry.early.pop(entry.next_offset)
-            self._started(entry)
+            self._started(request_id, entry)
             entry.next_offset += len(ready.token_ids)
             entry.queue.put_nowait(ready)
             if ready.finish_reason is not None:
@@ -363,6 +408,7 @@ class NodeClient:
         for node in self.registry.sweep():
             if not node.up:
                 self.prefill_router.forget(node)
+                self.prompt_queues.forget(node)
             if self.on_liveness is not None:
                 self.on_liveness(node)
         now = self.clock()
@@ -379,6 +425,7 @@ class NodeClient:
     def _on_restart(self, node: NodeState) -> None:
         """A restarted node lost whatever its previous process held."""
         self.prefill_router.forget(node)
+        self.prompt_queues.forget(node)
         for request_id, entry in list(self.inflight.items()):
             if entry.node is node or (entry.prefill is node and not entry.started):
                 self._lost(request_id, entry, f"{_describe(node)} was restarted")

@@ -3,13 +3,20 @@ liveness, and the pairing check.
 
 A node is known from a configured address (`[ID=]tcp://host:port`, bound to the first
 heartbeat that claims it) or from a heartbeat carrying a `listen_address` the router has not
-seen (a node started on another host joins this way). It is alive while its NodeStats or its
-Heartbeats (sent from a thread of their own every 0.5 s by default, during long engine steps
-too) keep arriving within `node_timeout_s` (`python -m router`: 1 s, two missed heartbeats); a
-Heartbeat counts only from the process whose NodeStats were seen. `sweep()` notes each change
-of liveness (one log line each). A heartbeat with a new `instance_id` under a known node id is
-a restarted node: `on_restart(node)` lets the caller drop what it had sent the previous
-process. Its role (colocated, prefill, decode) comes from its stats.
+seen (a node started on another host joins this way). A heartbeat with a new `instance_id`
+under a known node id is a restarted node: `on_restart(node)` lets the caller drop what it had
+sent the previous process. Its role (colocated, prefill, decode) comes from its stats.
+
+Liveness: a node is alive while its NodeStats or its Heartbeats (sent from a thread of their
+own every 0.5 s by default, during long engine steps too) keep arriving within
+`node_timeout_s` (`python -m router`: 1 s, two missed heartbeats); a Heartbeat counts only from
+the process whose NodeStats were seen. `sweep()` notes each change of liveness (one log line
+each); the watchdog calls it on time and skips a round that itself ran late
+(router/node_client.py). `live()`, which routing and /health read between sweeps, counts a
+node heard within `node_timeout_s` or up at the last sweep: heartbeats that sat unread while
+the router's own event loop was blocked (a busy machine, a burst of requests) never make a
+healthy node look dead to the request routed in that moment, and a node that did die leaves
+`live()` at the first sweep after its timeout (one watchdog round later at most).
 
 Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
 block size); a node that differs in any of them is refused, with a message naming both values,
@@ -78,11 +85,12 @@ class NodeRegistry:
         self.reference: tuple[str, str, int] | None = None
 
     def live(self, role: str | None = None) -> list[NodeState]:
+        """Nodes heard within the timeout, or up at the last sweep (module docstring)."""
         now = self.clock()
         return [
             n
             for n in self.nodes
-            if n.alive(now, self.node_timeout_s) and (role is None or n.role == role)
+            if (n.up or n.alive(now, self.node_timeout_s)) and (role is None or n.role == role)
         ]
 
     def record(self, stats: NodeStats) -> NodeState | None:

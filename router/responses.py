@@ -3,6 +3,7 @@ chunks ending in `data: [DONE]`, for the completions and the chat completions AP
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,8 @@ from router.errors import APIError
 from router.generation import ChoiceEvent, Generation
 from router.logprobs import LogprobFormatter, merge_completion
 from router.sse import DONE, sse
+
+logger = logging.getLogger(__name__)
 
 
 class Responder:
@@ -113,7 +116,9 @@ class Responder:
         self, events: AsyncIterator[list[ChoiceEvent]], first: list[ChoiceEvent]
     ) -> AsyncIterator[bytes]:
         """The SSE body; `first` is the batch already taken from `events` (so that errors
-        before the first token are answered with a proper status)."""
+        before the first token are answered with a proper status). An error after that,
+        expected or not, is the stream's last event before `data: [DONE]`: the response
+        still ends properly, so the client's connection stays usable."""
         try:
             if self.chat:
                 for i in range(self.generation.plan.n):
@@ -130,6 +135,10 @@ class Responder:
         except APIError as error:
             self.generation.metrics.error(error.type)
             yield sse(error.body())
+        except Exception as error:
+            logger.exception("request %s failed while streaming: %s", self.id, type(error).__name__)
+            self.generation.metrics.error("server_error")
+            yield sse(APIError(500, "internal server error").body())
         finally:
             self.generation.close()
             await events.aclose()

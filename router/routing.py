@@ -11,8 +11,8 @@
   Ties go to the node with less queued work, then to the one with the smaller index, so new
   prefixes spread over the nodes.
   Load balance: when the best-matching node has more than `imbalance_tokens` more uncached
-  prompt tokens queued (sent, first token not back yet) than the least loaded one, the least
-  loaded one gets the request.
+  prompt tokens queued (sent, first token not back yet; router/queue_delay.py keeps the
+  queues) than the least loaded one, the least loaded one gets the request.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from router.node_registry import NodeState
+from router.queue_delay import PromptQueues
 
 
 def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:
@@ -39,14 +40,20 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
 
 class PrefillRouter:
-    def __init__(self, imbalance_tokens: int = 4096, max_blocks_per_node: int = 1 << 17) -> None:
+    def __init__(
+        self,
+        queues: PromptQueues,
+        imbalance_tokens: int = 4096,
+        max_blocks_per_node: int = 1 << 17,
+    ) -> None:
+        self.queues = queues
         self.imbalance_tokens = imbalance_tokens
         self.max_blocks_per_node = max_blocks_per_node
         self.index: dict[str, OrderedDict[int, None]] = {}
-        self.queued_tokens: dict[str, int] = {}
 
     def pick(self, nodes: list[NodeState], token_ids: list[int]) -> tuple[NodeState, int] | None:
-        """The node for a prompt and the number of its tokens that node likely has cached."""
+        """The node for a prompt and the number of its tokens that node likely has cached
+        (`remember` it once the prompt was sent there)."""
         if not nodes:
             return None
         block_size = nodes[0].stats.block_size or 16
@@ -59,8 +66,7 @@ class PrefillRouter:
                 count += 1
             return count
 
-        def queued(node: NodeState) -> int:
-            return self.queued_tokens.get(node.address, 0)
+        queued = self.queues.tokens
 
         matches = {node.address: cached_blocks(node) for node in nodes}
         best = max(
@@ -70,26 +76,17 @@ class PrefillRouter:
         least_loaded = min(nodes, key=queued)
         if queued(best) - queued(least_loaded) > self.imbalance_tokens:
             best = least_loaded
-        self._remember(best, hashes)
         return best, matches[best.address] * block_size
 
-    def _remember(self, node: NodeState, hashes: list[int]) -> None:
+    def remember(self, node: NodeState, token_ids: list[int]) -> None:
+        """The prompt was sent to `node`: its blocks are (soon) in that node's cache."""
         known = self.index.setdefault(node.address, OrderedDict())
-        for value in hashes:
+        for value in block_hashes(token_ids, node.stats.block_size or 16):
             known[value] = None
             known.move_to_end(value)
         while len(known) > self.max_blocks_per_node:
             known.popitem(last=False)
 
     def forget(self, node: NodeState) -> None:
-        """The node went down or restarted: its cache is gone, and so is its queue."""
+        """The node went down or restarted: its cache is gone."""
         self.index.pop(node.address, None)
-        self.queued_tokens.pop(node.address, None)
-
-    def queue(self, node: NodeState, num_tokens: int) -> None:
-        self.queued_tokens[node.address] = self.queued_tokens.get(node.address, 0) + num_tokens
-
-    def dequeue(self, node: NodeState, num_tokens: int) -> None:
-        self.queued_tokens[node.address] = max(
-            0, self.queued_tokens.get(node.address, 0) - num_tokens
-        )

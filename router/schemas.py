@@ -2,7 +2,10 @@
 
 Requests are pydantic models in strict mode (no "5" -> 5 coercion), so a wrong type is a
 validation error that `errors.validation_error` turns into a 400. Range checks that need the
-router's settings or the node's limits live in `validation.py`. Responses are plain dicts.
+router's settings or the node's limits live in `validation.py`, which bounds every number.
+Strings are bounded by the body size; `user` (accepted, unused) and the `stop` strings (in
+validation.py: the router matches them against every token's text) also by a length of their
+own. Responses are plain dicts.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_USER_CHARS = 256
 
 
 class _Request(BaseModel):
@@ -30,7 +35,7 @@ class _CommonParams(_Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     # vLLM extras
     top_k: int | None = None
     min_tokens: int = 0

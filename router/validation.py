@@ -2,16 +2,29 @@
 arguments for the node, stop strings. Every check here raises a 400 `APIError` naming the
 parameter; messages state the rule and the limit, not the client's input (context-length
 errors state the token counts, as OpenAI's do).
+
+Every number a client sends is bounded here before any arithmetic on it (the schema bounds
+`priority`): counts to int32, `seed` to signed 64-bit, `temperature` to [0, 100], `top_p` to
+(0, 1], token ids to the vocabulary, `min_tokens` to the resolved max_tokens. As in vLLM, a
+temperature below 1e-5 is sent as 0 (greedy) and a top_k that keeps the whole vocabulary as
+-1. Text must be valid Unicode and whatever the tokenizer refuses is the client's 400; stop
+strings are bounded in length. The nodes check all of it again (engine.sampling_params).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import (
+    GREEDY_TEMPERATURE_BELOW,
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+)
 from engine.tokenizer import apply_chat_template
 from router.config import RouterConfig
 from router.errors import APIError, invalid
@@ -19,6 +32,8 @@ from router.schemas import ChatCompletionRequest, CompletionRequest
 
 SEED_LIMIT = 1 << 63
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_STOP_STRING_CHARS = 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Limits = Callable[[], "tuple[int, int]"]
 
@@ -52,30 +67,33 @@ def check_model(requested: str | None, served: str) -> None:
 
 def _clip(text: str, limit: int = 64) -> str:
     """Model names are echoed (as OpenAI does) but kept short and printable."""
-    text = "".join(ch if ch.isprintable() else "?" for ch in text)
-    return text if len(text) <= limit else text[:limit] + "..."
+    clipped = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+    return clipped if len(text) <= limit else clipped + "..."
 
 
 def check_common(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, config: RouterConfig
 ) -> list[str]:
-    """Checks the parameters shared by both APIs; returns the stop strings."""
-    if max_tokens is not None and max_tokens < 1:
+    """Checks the parameters shared by both APIs; returns the stop strings. What passes fits
+    a node's tensors and the wire (msgpack carries 64-bit integers at most)."""
+    if max_tokens is not None and not 1 <= max_tokens <= INT32_MAX:
         chat_limit = getattr(req, "max_completion_tokens", None)
         name = "max_completion_tokens" if chat_limit is not None else "max_tokens"
-        raise invalid(f"'{name}' must be at least 1.", name)
+        raise invalid(f"'{name}' must be between 1 and {INT32_MAX:,}.", name)
     if req.temperature is not None and not (
-        math.isfinite(req.temperature) and req.temperature >= 0
+        math.isfinite(req.temperature) and 0 <= req.temperature <= MAX_TEMPERATURE
     ):
-        raise invalid("'temperature' must be a number >= 0.", "temperature")
+        raise invalid(f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}.", "temperature")
     if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
         raise invalid("'top_p' must be in (0, 1].", "top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise invalid("'top_k' must be -1 (disabled), 0 (disabled) or at least 1.", "top_k")
+    if req.top_k is not None and not -1 <= req.top_k <= INT32_MAX:
+        raise invalid(
+            f"'top_k' must be -1 or 0 (disabled), or between 1 and {INT32_MAX:,}.", "top_k"
+        )
     if not 1 <= req.n <= config.max_n:
         raise invalid(f"'n' must be between 1 and {config.max_n}.", "n")
-    if req.min_tokens < 0:
-        raise invalid("'min_tokens' must be at least 0.", "min_tokens")
+    if not 0 <= req.min_tokens <= INT32_MAX:
+        raise invalid(f"'min_tokens' must be between 0 and {INT32_MAX:,}.", "min_tokens")
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise invalid("'min_tokens' must not exceed 'max_tokens'.", "min_tokens")
     if req.seed is not None and not -SEED_LIMIT <= req.seed < SEED_LIMIT - config.max_n:
@@ -83,6 +101,10 @@ def check_common(
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > config.max_stop:
         raise invalid(f"'stop' accepts at most {config.max_stop} strings.", "stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise invalid(
+            f"each 'stop' string must be at most {MAX_STOP_STRING_CHARS:,} characters.", "stop"
+        )
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     return [s for s in stop if s]
@@ -93,10 +115,36 @@ def check_logprobs(value: int | None, param: str) -> None:
         raise invalid(f"'{param}' must be between 0 and {MAX_LOGPROBS}.", param)
 
 
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    """Once max_tokens is resolved (a default or the room left in the context)."""
+    if min_tokens > max_tokens:
+        raise invalid(
+            f"'min_tokens' must not exceed the completion's limit of {max_tokens:,} tokens "
+            "('max_tokens', or the room the prompt leaves in the context).",
+            "min_tokens",
+        )
+
+
+def check_unicode(text: str, param: str) -> None:
+    """JSON can carry an unpaired UTF-16 surrogate ("\\ud800"), which is no Unicode text:
+    no tokenizer encodes it."""
+    surrogate = _SURROGATE.search(text)
+    if surrogate is not None:
+        raise invalid(
+            f"'{param}' is not valid Unicode text: it holds an unpaired UTF-16 surrogate at "
+            f"character {surrogate.start():,}.",
+            param,
+        )
+
+
 def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    if isinstance(req.prompt, str):
+    """The prompt's token ids; 400 naming 'prompt' for text the tokenizer cannot encode."""
+    if not isinstance(req.prompt, str):
+        return list(req.prompt)
+    try:
         return list(tokenizer.encode(req.prompt))
-    return list(req.prompt)
+    except Exception:  # noqa: BLE001 (whatever the tokenizer refuses is the client's text)
+        raise invalid("'prompt' is text the model's tokenizer cannot encode.", "prompt") from None
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
@@ -117,9 +165,15 @@ def check_prompt_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def resolve_max_tokens(
-    requested: int | None, default: int | None, prompt_len: int, max_model_len: int
+    requested: int | None,
+    default: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    params: tuple[str, str] = ("max_tokens", "messages"),
 ) -> int:
-    """The max_tokens to use; 400 if prompt plus completion exceed the context."""
+    """The max_tokens to use; 400 if prompt plus completion exceed the context, naming
+    `params[0]` (the limit's field) when the client set a limit, else `params[1]` (the
+    prompt's)."""
     max_tokens = requested if requested is not None else default
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
@@ -129,7 +183,7 @@ def resolve_max_tokens(
             f"requested {prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the prompt, "
             f"{max(max_tokens, 0)} for the completion). Please reduce the length of the prompt "
             "or the completion.",
-            "max_tokens" if requested is not None else "messages",
+            params[0] if requested is not None else params[1],
         )
     return max_tokens
 
@@ -173,13 +227,20 @@ def check_kv_capacity(plan: Plan, capacity: KVCapacity) -> None:
 
 
 def samplings(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
 ) -> list[dict[str, Any]]:
-    """One SamplingParams kwargs dict per choice (seed + i when a seed is given)."""
+    """One SamplingParams kwargs dict per choice (seed + i when a seed is given). As in vLLM,
+    a temperature below 1e-5 is greedy (0) and a top_k that keeps the whole vocabulary is
+    disabled (-1)."""
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
+    top_k = req.top_k
     base: dict[str, Any] = {
-        "temperature": 1.0 if req.temperature is None else float(req.temperature),
+        "temperature": 0.0 if temperature < GREEDY_TEMPERATURE_BELOW else temperature,
         "top_p": 1.0 if req.top_p is None else float(req.top_p),
-        "top_k": -1 if req.top_k in (None, 0) else req.top_k,
+        "top_k": -1 if top_k is None or top_k == 0 or top_k >= vocab_size else top_k,
         "max_tokens": max_tokens,
         "min_tokens": req.min_tokens,
         "ignore_eos": req.ignore_eos,
@@ -203,15 +264,22 @@ def plan_completion(
     check_logprobs(req.logprobs, "logprobs")
     if not req.prompt:
         raise invalid("'prompt' must not be empty.", "prompt")
+    if isinstance(req.prompt, str):
+        check_unicode(req.prompt, "prompt")
     max_model_len, vocab_size = limits()
     ids = completion_prompt(req, tokenizer)
     check_prompt_ids(ids, vocab_size, "prompt")
     max_tokens = resolve_max_tokens(
-        req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(ids), max_model_len
+        req.max_tokens,
+        DEFAULT_COMPLETION_MAX_TOKENS,
+        len(ids),
+        max_model_len,
+        ("max_tokens", "prompt"),
     )
+    check_min_tokens(req.min_tokens, max_tokens)
     return Plan(
         ids,
-        samplings(req, max_tokens, req.logprobs),
+        samplings(req, max_tokens, req.logprobs, vocab_size),
         stop,
         req.skip_special_tokens,
         req.logprobs,
@@ -222,21 +290,27 @@ def plan_completion(
 def plan_chat(
     req: ChatCompletionRequest, config: RouterConfig, tokenizer: Any, limits: Limits
 ) -> Plan:
-    requested = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
-    )
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = getattr(req, limit_param)
     stop = check_common(req, requested, config)
+    if req.max_tokens is not None and not 1 <= req.max_tokens <= INT32_MAX:  # superseded
+        raise invalid(f"'max_tokens' must be between 1 and {INT32_MAX:,}.", "max_tokens")
     check_logprobs(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    for index, message in enumerate(req.messages):
+        check_unicode(message.text(), f"messages[{index}].content")
     max_model_len, vocab_size = limits()
     ids = chat_prompt(req, tokenizer)
     check_prompt_ids(ids, vocab_size, "messages")
-    max_tokens = resolve_max_tokens(requested, None, len(ids), max_model_len)
+    max_tokens = resolve_max_tokens(
+        requested, None, len(ids), max_model_len, (limit_param, "messages")
+    )
+    check_min_tokens(req.min_tokens, max_tokens)
     return Plan(
         ids,
-        samplings(req, max_tokens, logprobs),
+        samplings(req, max_tokens, logprobs, vocab_size),
         stop,
         req.skip_special_tokens,
         logprobs,

@@ -1,17 +1,74 @@
-"""Shared pytest fixtures for pdserve's tests."""
+"""Shared pytest fixtures for pdserve's tests, and the markers that split them into tiers.
+
+Every test in a module named in PROCESS_MODULES gets the `processes` marker (it starts
+processes: servers, nodes, KV peers, the command line), every test in a module named in
+SLOW_MODULES the `slow` marker (in-process, but seconds per test: whole-model runs against
+transformers, the Triton interpreter, node loops on real sockets). `make test-fast` runs the
+rest, `-m "not processes and not slow and not default_model"`, in under a minute; `make test`
+runs everything. A new module that starts a process, or whose tests take seconds, belongs in
+one of the lists.
+"""
 
 from __future__ import annotations
 
 import os
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+
+PROCESS_MODULES = (
+    "test_e2e_*.py",
+    "test_fault_*.py",
+    "test_bench_burst.py",
+    "test_bench_serve_run.py",
+    "test_cluster_secret.py",
+    "test_colocated_node.py",
+    "test_hostile_inputs.py",
+    "test_kvtransfer_cuda_ipc.py",
+    "test_kvtransfer_failures.py",
+    "test_kvtransfer_inprocess.py",
+    "test_kvtransfer_processes.py",
+    "test_launcher.py",
+    "test_packaging.py",
+    "test_plan.py",
+    "test_security.py",
+)
+SLOW_MODULES = (
+    "test_admission.py",
+    "test_disaggregated_engine.py",
+    "test_greedy_parity.py",
+    "test_kernels_prefill_attention.py",
+    "test_node_heartbeat.py",
+    "test_preemption_modes.py",
+    "test_prefix_caching.py",
+    "test_sampling.py",
+    "test_triton_parity.py",
+)
 
 # The kernel tests run the Triton kernels on the CPU in Triton's interpreter. Triton reads this
 # once, when it is first imported (transformers and torch import it as a side effect), so it is
 # set here, before any test module loads; code that launches no Triton kernel is unaffected.
 # TRITON_INTERPRET=0 in the environment runs the kernel tests compiled, on a CUDA GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "processes: starts processes (servers, nodes, KV peers, the command line); "
+        "make test-fast leaves these out",
+    )
+    config.addinivalue_line(
+        "markers", "slow: in-process but seconds per test; make test-fast leaves these out"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker, modules in (("processes", PROCESS_MODULES), ("slow", SLOW_MODULES)):
+            if any(fnmatch(item.path.name, pattern) for pattern in modules):
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -51,16 +108,25 @@ def clean_tiny_llm(tiny_llm):
 
 
 @pytest.fixture(scope="session")
-def pdserve_server(default_model_dir):
+def pdserve_process(default_model_dir, tmp_path_factory):
     """`pdserve serve` on the default model (router, prefill node, decode node), as real
-    processes."""
+    processes; they all write to the file `log_path`, which tests read to wait for events."""
     from pdserve.serve_process import ServeProcess
 
+    log_path = tmp_path_factory.mktemp("pdserve-serve") / "serve.log"
     server = ServeProcess(
         ["--model", str(default_model_dir), "--kv-cache-memory", str(256 << 20)],
         ready_timeout_s=240,
+        log_path=log_path,
     )
+    server.log_path = log_path
     try:
-        yield server.url
+        yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def pdserve_server(pdserve_process) -> str:
+    """The URL of `pdserve_process`."""
+    return pdserve_process.url

@@ -2,8 +2,12 @@
 every event, the launcher's child processes, and the leak check every scenario ends with.
 
 `assert_no_leaked_blocks(url)` waits until every live node's KV cache is idle again (usage 0)
-and asserts that none reports leaked blocks (`pdserve_kv_leaked_blocks`, from each node's
-idle-time integrity check), nor was found out of integrity.
+and none reports leaked blocks (`pdserve_kv_leaked_blocks`, from each node's idle-time
+integrity check), nor was found out of integrity.
+
+Tests order their steps by waiting for the event itself (`wait_until`, `wait_until_async`: a
+log line, a /metrics value, a process state), with deadlines generous enough for a machine
+whose every core is busy (`make test-stress`), never by a sleep that assumes it happened.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 SHM_DIR = Path("/dev/shm")
+HEARTBEAT_S = 0.5  # the nodes' default --heartbeat-interval
+# An idle node sends NodeStats and runs its leak check once per heartbeat: within this many, the
+# router's view of every node is one taken after its requests ended and after a leak check.
+SETTLED_HEARTBEATS = 4
 
 
 def metric(url: str, name: str, label: str = "node") -> dict[str, float]:
@@ -49,18 +57,46 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.1) -> f
     return time.monotonic() - start
 
 
-def assert_no_leaked_blocks(url: str, timeout: float = 20.0) -> None:
-    """Every live node's KV usage returns to 0 and its leak check reports 0 leaked blocks."""
-    time.sleep(1.0)  # two heartbeats: no stats from before the requests ended remain
+async def wait_until_async(predicate, timeout: float, what: str, interval: float = 0.05) -> float:
+    """`wait_until` inside an event loop: the blocking `predicate` (reading a log or /metrics)
+    runs in a thread, so the loop's own requests keep moving meanwhile."""
+    start = time.monotonic()
+    while not await asyncio.to_thread(predicate):
+        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(interval)
+    return time.monotonic() - start
 
-    def idle() -> bool:
-        usage = metric(url, "pdserve_kv_cache_usage_ratio")
-        return all(usage.get(node, 0.0) == 0.0 for node in live_nodes(url))
 
-    wait_until(idle, timeout, "KV blocks returning on every live node")
-    time.sleep(1.0)  # the leak check runs once per heartbeat interval while a node is idle
-    leaked = metric(url, "pdserve_kv_leaked_blocks")
-    assert all(leaked[node] == 0.0 for node in live_nodes(url)), leaked
+def assert_no_leaked_blocks(url: str, timeout: float = 60.0) -> None:
+    """Every live node's KV usage returns to 0 and its leak check reports 0 leaked blocks.
+
+    /metrics shows each node's latest NodeStats, which may predate the end of the requests (a
+    node skips stats while its outbox is full) or its first idle-time leak check, and nothing in
+    it says which. So the clean state must hold in every scrape for SETTLED_HEARTBEATS
+    heartbeats, in which each idle node sends stats taken after a leak check."""
+    settle_s = SETTLED_HEARTBEATS * HEARTBEAT_S
+    start, clean_since = time.monotonic(), None
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        up = parse_metric(text, "pdserve_node_up")
+        usage = parse_metric(text, "pdserve_kv_cache_usage_ratio")
+        leaked = parse_metric(text, "pdserve_kv_leaked_blocks")
+        state = {
+            node: {"usage": usage.get(node), "leaked_blocks": leaked.get(node)}
+            for node, alive in up.items()
+            if alive == 1.0
+        }
+        now = time.monotonic()
+        if all(v == {"usage": 0.0, "leaked_blocks": 0.0} for v in state.values()):
+            clean_since = now if clean_since is None else clean_since
+            if now - clean_since >= settle_s:
+                return
+        else:
+            clean_since = None
+        assert now - start < timeout, (
+            f"the live nodes were not all idle without leaked KV blocks within {timeout} s: {state}"
+        )
+        time.sleep(0.1)
 
 
 @dataclass

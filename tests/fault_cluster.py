@@ -2,9 +2,9 @@
 colocated) nodes and the router, each started with its own flags and environment (a fault
 switch goes to the nodes only), logs in files, stopped and checked for leftovers on close.
 
-`Cluster.metric_by_node`, `wait_blocks_free` and `alive` read and check the running
-deployment; `http` is a minimal asyncio HTTP/1.1 client light enough for a thousand concurrent
-requests from one test process.
+`Cluster.metric_by_node`, `metrics_by_node`, `wait_blocks_free` and `alive` read and check the
+running deployment, `LogCursor` what a process logged since a moment; `http` is a minimal
+asyncio HTTP/1.1 client light enough for a thousand concurrent requests from one test process.
 """
 
 from __future__ import annotations
@@ -120,13 +120,17 @@ class Cluster:
         return "\n".join(f"== {n}\n{self.log(n)[-3000:]}" for n in self.processes)
 
     def metric_by_node(self, name: str) -> dict[str, float]:
+        return self.metrics_by_node(name)[name]
+
+    def metrics_by_node(self, *names: str) -> dict[str, dict[str, float]]:
+        """Several metrics by node from one scrape: values of one node come from one NodeStats."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {
-            sample.labels.get("node", ""): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        }
+        found: dict[str, dict[str, float]] = {name: {} for name in names}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in found:
+                    found[sample.name][sample.labels.get("node", "")] = sample.value
+        return found
 
     def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -137,7 +141,7 @@ class Cluster:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
         )
 
-    def wait_blocks_free(self, timeout_s: float = 20.0) -> None:
+    def wait_blocks_free(self, timeout_s: float = 60.0) -> None:
         """Every node's KV usage back to 0 and its idle-time leak check at 0."""
         assert_no_leaked_blocks(self.url, timeout_s)
         usage = self.metric_by_node("pdserve_kv_cache_usage_ratio")

@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.launcher import free_port
 from pdserve.serve_process import ServeProcess
+from tests.fault_checks import assert_no_leaked_blocks, live_nodes, wait_until
 
 SERVE_FLAGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20)]
 
@@ -39,11 +39,7 @@ class Server(ServeProcess):
         }
 
     def wait_all_blocks_free(self) -> None:
-        time.sleep(1.0)  # two heartbeats: no stats from before the requests remain
-        deadline = time.monotonic() + 10
-        while any(self.metric_by_node("pdserve_kv_cache_usage_ratio").values()):
-            assert time.monotonic() < deadline, "KV blocks were not all freed"
-            time.sleep(0.2)
+        assert_no_leaked_blocks(self.url)
 
 
 def requests_with_shared_prefixes(count: int = 32) -> list[dict]:
@@ -105,10 +101,9 @@ def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answ
             [f"prefill-{i}.{server.port}" for i in range(int(layout[0]))]
             + [f"decode-{i}.{server.port}" for i in range(int(layout[1]))]
         )
-        deadline = time.monotonic() + 30  # /health needs one live pair; the rest may lag
-        while len(server.metric_by_node("pdserve_kv_cache_usage_ratio")) < len(expected_nodes):
-            assert time.monotonic() < deadline, "not every node reported in time"
-            time.sleep(0.2)
+        wait_until(  # /health needs one live pair; the rest may lag
+            lambda: live_nodes(server.url) >= set(expected_nodes), 90, "every node up"
+        )
         assert sorted(server.metric_by_node("pdserve_kv_cache_usage_ratio")) == expected_nodes
         answers = run_concurrently(server.url, requests_with_shared_prefixes())
         assert answers == colocated_answers
@@ -186,16 +181,14 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(
                     body = {"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0}
                     assert http.post("/v1/completions", json=body).status_code == 200
         server.wait_all_blocks_free()
-        deadline = time.monotonic() + 5
         ideal = 4 * 4 * 64  # every request after a prompt's first reuses its 64 tokens
-        while True:
+
+        def prefill_hits() -> float:
             hits = server.metric_by_node("pdserve_prefix_cache_hits_total")
-            queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
-            prefill_hits = sum(v for n, v in hits.items() if n.startswith("prefill"))
-            if prefill_hits >= 0.9 * ideal or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-        assert prefill_hits >= 0.9 * ideal
+            return sum(v for n, v in hits.items() if n.startswith("prefill"))
+
+        wait_until(lambda: prefill_hits() >= 0.9 * ideal, 30, "prefix cache hits on prefill nodes")
+        queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
         prefill_queries = [v for n, v in queries.items() if n.startswith("prefill")]
         assert len(prefill_queries) == 2 and min(prefill_queries) > 0, "one node got everything"
     finally:
@@ -226,18 +219,18 @@ def test_a_prefill_node_started_alone_joins_the_router_and_serves(tiny_llama_dir
         env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret},
     )
     try:
-        deadline = time.monotonic() + 60
-        while "joiner" not in server.metric_by_node("pdserve_num_requests_waiting"):
-            assert joiner.poll() is None and time.monotonic() < deadline, "the node never joined"
-            time.sleep(0.3)
+        def joined() -> bool:
+            assert joiner.poll() is None, "the joining node exited"
+            return "joiner" in server.metric_by_node("pdserve_num_requests_waiting")
+
+        wait_until(joined, 120, "the prefill node joining")
         answers = run_concurrently(server.url, requests_with_shared_prefixes(8))
         assert all(tokens > 0 for _, tokens in answers)
-        queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
-        deadline = time.monotonic() + 5
-        while queries.get("joiner", 0) == 0 and time.monotonic() < deadline:
-            time.sleep(0.3)
-            queries = server.metric_by_node("pdserve_prefix_cache_queries_total")
-        assert queries["joiner"] > 0, "the joined prefill node got no request"
+        wait_until(
+            lambda: server.metric_by_node("pdserve_prefix_cache_queries_total").get("joiner", 0),
+            30,
+            "a request reaching the joined prefill node",
+        )
         server.wait_all_blocks_free()
     finally:
         joiner.send_signal(signal.SIGINT)

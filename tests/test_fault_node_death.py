@@ -144,7 +144,7 @@ def test_prefill_node_killed_mid_prefill_requests_are_retried_and_the_node_rejoi
         completion_texts(server.url, fresh)
         wait_until(
             lambda: metric(server.url, "pdserve_prefix_cache_queries_total").get(victim, 0) > 0,
-            10,
+            30,
             "the restarted prefill node serving",
         )
         assert_no_leaked_blocks(server.url)

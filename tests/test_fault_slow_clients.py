@@ -29,7 +29,8 @@ from router.generation import UpdateQueue
 from router.sse import EventStreamResponse
 from tests.fault_cluster import Cluster, completion, http
 
-STALL_TIMEOUT_S = 8.0
+STALL_TIMEOUT_S = 12.0
+ROUNDS = 7  # of the P99 ITL measurement, alone and with the misbehaving clients
 BUFFER_TOKENS = 256
 
 
@@ -159,7 +160,7 @@ def cluster(tiny_llama_dir, tmp_path_factory):
 
 
 def test_slow_and_stalled_clients_are_cut_off_without_slowing_other_streams(cluster):
-    baseline = asyncio.run(itl_p99(cluster.port, 5))
+    baseline = asyncio.run(itl_p99(cluster.port, ROUNDS))
     rss_before = router_rss_bytes(cluster)
     started = time.monotonic()
     clients = [misbehave(cluster.port, 1.0), misbehave(cluster.port, None)]
@@ -170,7 +171,7 @@ def test_slow_and_stalled_clients_are_cut_off_without_slowing_other_streams(clus
             time.sleep(0.1)
         buffer_full_at = time.monotonic() - started
         assert buffer_full_at < STALL_TIMEOUT_S
-        with_slow_clients = asyncio.run(itl_p99(cluster.port, 5))
+        with_slow_clients = asyncio.run(itl_p99(cluster.port, ROUNDS))
         assert cluster.metric("pdserve_request_errors_total", kind="stream_stalled") == 0
         rss_during = router_rss_bytes(cluster)
         while cluster.metric("pdserve_request_errors_total", kind="stream_stalled") < 2:
@@ -188,7 +189,7 @@ def test_slow_and_stalled_clients_are_cut_off_without_slowing_other_streams(clus
         f"a stalled client {[round(p * 1e3, 2) for p in with_slow_clients]} ms; router RSS "
         f"{rss_before >> 20} -> {rss_during >> 20} MiB; buffers full after {buffer_full_at:.1f} s"
     )
-    # Medians of five rounds each: single P99s swing by more than 20% on this shared CPU.
+    # Medians of ROUNDS rounds each: single P99s swing by more than 20% on a shared CPU.
     assert statistics.median(with_slow_clients) <= 1.2 * statistics.median(baseline) + 0.001
     assert rss_during - rss_before < 64 << 20
     assert cluster.alive()

@@ -17,6 +17,7 @@ import zmq
 from kvtransfer.descriptor import KVDescriptor
 from kvtransfer.messages import Begin, Data, Written, decode_header, encode_header
 from kvtransfer.peer import PeerProcess
+from tests.fault_checks import wait_until
 
 SHM_DIR = Path("/dev/shm")
 NUM_BLOCKS = 16
@@ -79,6 +80,16 @@ def open_pair(decode, prefill, transport, node_id, seed=1):
     return descriptor
 
 
+def wait_landed(decode, prefill, transport: str, src: list[int], dst: list[int]) -> None:
+    """Waits until the receiver's `dst` blocks hold the bytes the sender wrote from `src`."""
+    sent = prefill.call("hashes", name=transport, block_ids=src)["hashes"]
+    wait_until(
+        lambda: decode.call("hashes", name=transport, block_ids=dst)["hashes"] == sent,
+        20,
+        f"the {transport} write of blocks {src} -> {dst} landing",
+    )
+
+
 def test_killed_sender_fails_the_transfer_at_its_deadline_and_frees_its_blocks(
     started_peers, survivor, node_prefix
 ):
@@ -93,7 +104,8 @@ def test_killed_sender_fails_the_transfer_at_its_deadline_and_frees_its_blocks(
     for transport in TRANSPORTS:
         prefill.call("write", name=transport, transfer_id="req-killed", src=[0, 1, 2],
                      dst=dst[:3])
-    time.sleep(0.3)
+    for transport in TRANSPORTS:  # killed mid-transfer: half of the blocks arrived
+        wait_landed(decode, prefill, transport, [0, 1, 2], dst[:3])
     prefill.kill()
     for transport in TRANSPORTS:
         event = decode.call("wait", name=transport, transfer_id="req-killed", wait_s=5)
@@ -124,7 +136,8 @@ def test_killed_receiver_fails_the_write_within_its_deadline_and_restart_cleans_
                     deadline_s=DEADLINE_S)
         prefill.call("write", name=transport, transfer_id="req-orphan", src=[5, 6], dst=[1, 2])
     expected_at = time.monotonic()
-    time.sleep(0.3)
+    for transport in TRANSPORTS:  # killed mid-transfer: the first blocks arrived
+        wait_landed(decode, prefill, transport, [5, 6], [1, 2])
     decode.kill()
     assert leftover_segments(node_ids["shm"]) == [f"pdserve-kv-{node_ids['shm']}"]
     for transport in TRANSPORTS:

@@ -89,8 +89,8 @@ def test_ledger_refuses_blocks_held_by_another_transfer_and_completes_on_every_l
         ledger.expect("b", [2, 3], deadline=10, now=0)
     with pytest.raises(ValueError, match="outside 0..7"):
         ledger.expect("c", [8], deadline=10, now=0)
-    assert ledger.grant("a", b"w") is not None
-    assert "another sender" in ledger.grant("a", b"x")
+    assert ledger.grant("a", b"w", now=1) is not None
+    assert "another sender" in ledger.grant("a", b"x", now=1)
     assert "not granted to this sender" in ledger.check_write("a", b"x", [1], 0, 3)
     assert "not destination blocks" in ledger.check_write("a", b"w", [3], 0, 3)
     ledger.record_write("a", [1, 2], 0, 2)
@@ -108,8 +108,8 @@ def test_failed_direct_write_holds_blocks_until_abandon_or_deadline_plus_grace()
     ledger.expect("granted", [1], deadline=10, now=0)
     ledger.expect("never-granted", [2], deadline=10, now=0)
     ledger.expect("abandoned", [3], deadline=10, now=0)
-    ledger.grant("granted", b"w")
-    ledger.grant("abandoned", b"w")
+    ledger.grant("granted", b"w", now=1)
+    ledger.grant("abandoned", b"w", now=1)
     for transfer_id in ("granted", "never-granted", "abandoned"):
         ledger.fail(transfer_id, f"{transfer_id} aborted")
     ledger.abandoned("abandoned", b"w", "ack")
@@ -120,6 +120,29 @@ def test_failed_direct_write_holds_blocks_until_abandon_or_deadline_plus_grace()
     assert ledger.take_actions()[0] == []
     ledger.expire(10.5)
     assert [e.kind for e in ledger.take_actions()[0]] == [TransferKind.RELEASED]
+
+
+def test_a_budgeted_transfer_waits_for_its_first_write_then_runs_its_own_clock():
+    """A prompt queued on the prefill node longer than the transfer budget must not fail: the
+    budget runs from the grant; only the (longer) wait deadline bounds the queueing."""
+    ledger = TransferLedger(num_blocks=8, num_layers=1, direct_write=True, release_grace_s=0.5)
+    ledger.expect("queued-long", [1], deadline=100, now=0, budget_s=5)
+    ledger.expect("never-begun", [2], deadline=100, now=0, budget_s=5)
+    ledger.expire(60)  # far past the budget, inside the wait deadline
+    assert ledger.take_actions() == ([], [])
+    granted = ledger.grant("queued-long", b"w", now=60)
+    assert granted.deadline == 65
+    ledger.expire(64.9)
+    assert ledger.take_actions() == ([], [])
+    ledger.expire(65)
+    events, _ = ledger.take_actions()
+    assert [(e.transfer_id, e.kind) for e in events] == [("queued-long", TransferKind.FAILED)]
+    assert "within its 5.00 s deadline" in events[0].error
+    ledger.expire(100)
+    events, _ = ledger.take_actions()
+    failed = [e for e in events if e.kind is TransferKind.FAILED]
+    assert [e.transfer_id for e in failed] == ["never-begun"]
+    assert "did not start" in failed[0].error
 
 
 def test_decode_abort_of_a_silent_granted_shm_transfer_releases_only_after_the_grace(node_id):

@@ -10,6 +10,7 @@ import random
 from engine.protocol import NodeStats, TokenBatch, TokenUpdate
 from router.node_client import InFlight, NodeClient
 from router.node_registry import NodeRegistry, NodeState
+from router.queue_delay import PromptQueues
 from router.routing import PrefillRouter, block_hashes, pick_decode_node
 
 
@@ -75,7 +76,7 @@ def live_prefill_nodes(count: int) -> list[NodeState]:
 
 def test_each_system_prompt_stays_on_one_prefill_node():
     rng = random.Random(0)
-    router = PrefillRouter(imbalance_tokens=10**9)
+    router = PrefillRouter(PromptQueues(), imbalance_tokens=10**9)
     nodes = live_prefill_nodes(2)
     systems = [[rng.randrange(500) for _ in range(64)] for _ in range(4)]
     homes: dict[int, set[str]] = {i: set() for i in range(4)}
@@ -83,6 +84,7 @@ def test_each_system_prompt_stays_on_one_prefill_node():
         which = rng.randrange(4)
         prompt = systems[which] + [rng.randrange(500) for _ in range(20)]
         node, cached = router.pick(nodes, prompt)
+        router.remember(node, prompt)
         assert cached in (0, 64)
         homes[which].add(node.address)
     assert all(len(h) == 1 for h in homes.values())
@@ -90,14 +92,16 @@ def test_each_system_prompt_stays_on_one_prefill_node():
 
 
 def test_an_overloaded_prefill_node_sheds_load_to_the_least_loaded():
-    router = PrefillRouter(imbalance_tokens=1000)
+    queues = PromptQueues()
+    router = PrefillRouter(queues, imbalance_tokens=1000)
     nodes = live_prefill_nodes(2)
     system = list(range(64))
     first, _ = router.pick(nodes, system + [1])
-    router.queue(first, 900)
+    router.remember(first, system + [1])
+    queues.add(first, "a", 900, now=0.0)
     again, cached = router.pick(nodes, system + [2])
     assert again is first and cached == 64
-    router.queue(first, 900)
+    queues.add(first, "b", 900, now=0.0)
     spilled, cached = router.pick(nodes, system + [3])
     assert spilled is not first and cached == 0
 

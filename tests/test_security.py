@@ -12,23 +12,30 @@ import os
 import pathlib
 import pickle
 import socket
-import time
 from pathlib import Path
 
 import httpx
 import msgpack
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.cluster_auth import ClusterAuth
 from engine.protocol import Heartbeat, NodeStats, encode
 from pdserve.serve_process import ServeProcess
 from router.app import create_app
 from router.config import RouterConfig
+from tests.fault_checks import wait_until
 
 KEY = "test-key-4c1d"
 CLUSTER_SECRET = "security-test-cluster-secret"
 LISTEN = "0A"
+HANDSHAKE_OUTCOMES = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
 
 
 class TouchOnUnpickle:
@@ -97,10 +104,11 @@ def server(tiny_llama_dir, tmp_path_factory):
     server.log_path = log_path
     server.model_name = str(tiny_llama_dir)
     try:
-        deadline = time.monotonic() + 30  # the decode node binds its KV channel at start-up
-        while len(listening_sockets(process_tree(server.process.pid))) < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        wait_until(  # the decode node binds its KV channel at start-up
+            lambda: len(listening_sockets(process_tree(server.process.pid))) >= 5,
+            60,
+            "every process listening",
+        )
         yield server
     finally:
         server.close()
@@ -136,10 +144,16 @@ def free_tcp_port() -> int:
         return sock.getsockname()[1]
 
 
-def send_everywhere(ports: list[int], payloads: list[bytes], auth: ClusterAuth) -> None:
+def send_everywhere(ports: list[int], payloads: list[bytes], auth: ClusterAuth) -> list[int]:
     """Each payload to each port: raw TCP, then through every ZeroMQ socket type that can
-    connect, as a client with `auth`'s keys (none: a stranger to the cluster)."""
+    connect, as a client with `auth`'s keys (none: a stranger to the cluster). Returns the
+    handshake outcome of each ZeroMQ connection (a zmq.EVENT_HANDSHAKE_* value), each awaited:
+    by then the port has judged the connection."""
     context = zmq.Context()
+    outcomes = []
+    events = 0
+    for event in HANDSHAKE_OUTCOMES:
+        events |= event
     try:
         for port in ports:
             address = f"tcp://127.0.0.1:{port}"
@@ -149,6 +163,7 @@ def send_everywhere(ports: list[int], payloads: list[bytes], auth: ClusterAuth) 
                 sock = auth.secure_client(context.socket(kind))
                 sock.setsockopt(zmq.LINGER, 200)
                 sock.setsockopt(zmq.SNDTIMEO, 500)
+                monitor = sock.get_monitor_socket(events)
                 sock.connect(address)
                 for payload in payloads:
                     try:
@@ -156,9 +171,14 @@ def send_everywhere(ports: list[int], payloads: list[bytes], auth: ClusterAuth) 
                                             else [payload])
                     except zmq.ZMQError:
                         pass  # a socket type the port refuses (or a REQ waiting for a reply)
+                assert monitor.poll(30_000), f"port {port} never answered a handshake"
+                outcomes.append(recv_monitor_message(monitor)["event"])
+                sock.disable_monitor()
+                monitor.close(linger=0)
                 sock.close()
     finally:
         context.term()
+    return outcomes
 
 
 def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_serving(
@@ -180,8 +200,8 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
 
     # Without the cluster secret nothing arrives, not even well-formed messages.
     stranger = [*payloads, encode(Heartbeat("stranger", "0")), node_stats("stranger")]
-    send_everywhere(zmq_ports, stranger, ClusterAuth.none())
-    time.sleep(1.5)
+    outcomes = send_everywhere(zmq_ports, stranger, ClusterAuth.none())
+    assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in outcomes  # refused before any message passed
     assert server.process.poll() is None
     assert generate(server).status_code == 200
     log = server.log_path.read_text()
@@ -190,26 +210,33 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
 
     # With it, whatever a member sends is decoded only as msgpack, and garbage is dropped.
     member = [*payloads, encode(Heartbeat("member", "0")), node_stats("member")]
-    send_everywhere(zmq_ports, member, ClusterAuth.from_secret(CLUSTER_SECRET))
-    deadline = time.monotonic() + 10
-    while "refused node member" not in server.log_path.read_text():
-        assert time.monotonic() < deadline, "the router never heard a member's registration"
-        time.sleep(0.2)
-    time.sleep(1.0)
+    outcomes = send_everywhere(zmq_ports, member, ClusterAuth.from_secret(CLUSTER_SECRET))
+    assert zmq.EVENT_HANDSHAKE_SUCCEEDED in outcomes
+    expected_drops = (
+        ("router.node_client", len(payloads)),  # the router's PULL
+        ("engine.node_runtime", 2 * len(payloads)),  # both nodes' PULL sockets
+        ("kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
+    )
+
+    def drops(log: str) -> dict[str, int]:
+        dropped = [line for line in log.splitlines() if "malformed" in line]
+        return {where: sum(f"{where}: " in line for line in dropped) for where, _ in expected_drops}
+
+    def all_handled() -> bool:
+        log = server.log_path.read_text()
+        counts = drops(log)
+        return (
+            "refused node member" in log
+            and all(counts[where] >= count for where, count in expected_drops)
+            and log.count("dropped an unexpected heartbeat message") >= 2  # both nodes
+        )
+
+    wait_until(all_handled, 60, "every member message handled by the router and both nodes")
     assert server.process.poll() is None
     assert all(Path(f"/proc/{pid}").exists() for pid in process_tree(server.process.pid))
     assert generate(server).status_code == 200
     assert not marker.exists(), "a pickled payload was unpickled"
-    log = server.log_path.read_text()
-    assert "stranger" not in log
-    dropped = [line for line in log.splitlines() if "malformed" in line]
-    for where, count in (
-        ("router.node_client", len(payloads)),  # the router's PULL
-        ("engine.node_runtime", 2 * len(payloads)),  # both nodes' PULL sockets
-        ("kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
-    ):
-        assert sum(f"{where}: " in line for line in dropped) >= count, (where, dropped)
-    assert log.count("dropped an unexpected heartbeat message") >= 2  # both nodes
+    assert "stranger" not in server.log_path.read_text()
 
 
 def test_every_route_but_health_needs_the_api_key(server, tiny_llama_dir):

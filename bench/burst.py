@@ -1,0 +1,510 @@
+"""Burst benchmark: N streaming completions sent at the same instant, against deployments this
+script starts fresh, one after the other.
+
+    python -m bench.burst [--bursts 100,300,1000] [--deployments colocated,1p1d]
+                          [--prompt-len 140] [--max-tokens 16] [--model DIR] [--timeout 300]
+                          [--server-arg=--max-queued-requests=256 ...] [--out-dir DIR]
+
+Each deployment is one `pdserve serve` (flags as bench/sweep.py names them), warmed up with two
+short requests, then given each burst in the order given, with a 2 s pause between them, and
+stopped before the next deployment starts. A burst is N distinct random token-id prompts
+(bench/serve_datasets.py) streamed from /v1/completions with ignore_eos, all sent at once from
+one asyncio loop (uvloop when installed). Every request ends in exactly one outcome:
+
+  completed           HTTP 200, the asked-for tokens and a finish_reason
+  refused             429 or 503 before any token, or a 200 stream whose first news is an
+                      error event; time to refusal: send to the end of that answer
+  died after a token  a 200 stream that sent a token and then an error event or a cut
+                      connection, or ended short without a finish_reason: must be 0
+  timed out           still running --timeout seconds after its send (the client gives up)
+  failed              anything else: another status, no answer at all, a stream cut before its
+                      first token, a finish_reason after too few tokens
+
+TTFT: send to the first streamed choice. Drain: burst start to the end of the last answer.
+Peak RSS of the router and of each node: the largest VmRSS in /proc/PID/status sampled every
+100 ms during the burst (VmHWM, the peak since the process started, goes to the JSON). Writes
+burst.md and burst.json to --out-dir (bench/results by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.burst_report import markdown
+from bench.serve_metrics import percentile
+from bench.sweep import CONFIGS as DEPLOYMENTS
+from bench.sweep import say
+from pdserve.serve_process import ServeProcess
+
+RESULTS = Path(__file__).parent / "results"
+REFUSAL_STATUSES = (429, 503)
+WARMUP_REQUESTS = 2
+SETTLE_S = 2.0
+SAMPLE_INTERVAL_S = 0.1
+STREAMS_PER_CLIENT = 20
+
+if TYPE_CHECKING:
+    import httpx
+
+
+class Outcome(str, Enum):
+    COMPLETED = "completed"
+    REFUSED = "refused"
+    DIED = "died after a token"
+    TIMED_OUT = "timed out"
+    FAILED = "failed"
+
+
+@dataclass
+class StreamRecord:
+    """What one request saw; times in seconds from the burst start."""
+
+    sent_s: float = 0.0
+    written_s: float | None = None  # the whole request was on the wire
+    status: int | None = None  # None: no HTTP answer arrived
+    first_token_s: float | None = None  # the first streamed choice
+    end_s: float = 0.0
+    text_chunks: int = 0
+    usage_tokens: int | None = None
+    finish_reason: str | None = None
+    error_event: str = ""
+    exception: str = ""  # the connection failed, or was cut mid-stream
+    timed_out: bool = False
+    body: str = ""  # the start of a non-200 answer
+
+    @property
+    def tokens(self) -> int:
+        return self.usage_tokens if self.usage_tokens is not None else self.text_chunks
+
+
+def absorb_event(record: StreamRecord, data: str, now_s: float) -> None:
+    """One SSE `data:` payload of a /v1/completions stream."""
+    if data == "[DONE]":
+        return
+    chunk = json.loads(data)
+    error = chunk.get("error")
+    if error:
+        message = error.get("message", error) if isinstance(error, dict) else error
+        record.error_event = str(message)[:200]
+        return
+    choices = chunk.get("choices")
+    if choices:
+        if record.first_token_s is None:
+            record.first_token_s = now_s
+        if choices[0].get("text"):
+            record.text_chunks += 1
+        record.finish_reason = choices[0].get("finish_reason") or record.finish_reason
+    usage = chunk.get("usage")
+    if usage:
+        record.usage_tokens = usage.get("completion_tokens")
+
+
+def classify(record: StreamRecord, expected_tokens: int) -> tuple[Outcome, str]:
+    """The request's one outcome and what, if not completed, ended it."""
+    tokens = record.tokens
+    if record.timed_out:
+        return Outcome.TIMED_OUT, f"after {tokens} tokens"
+    if record.status is None:
+        return Outcome.FAILED, f"no answer: {record.exception}"
+    if record.status in REFUSAL_STATUSES:
+        return Outcome.REFUSED, f"HTTP {record.status}"
+    if record.status != 200:
+        return Outcome.FAILED, f"HTTP {record.status}: {record.body}"
+    if record.first_token_s is None:
+        if record.error_event:
+            return Outcome.REFUSED, "error event"
+        if record.exception:
+            return Outcome.FAILED, f"the stream broke before a token: {record.exception}"
+        return Outcome.FAILED, "the stream ended without a token"
+    if record.error_event:
+        return Outcome.DIED, f"error event after {tokens} tokens: {record.error_event}"
+    if record.exception:
+        return Outcome.DIED, f"the stream broke after {tokens} tokens: {record.exception}"
+    if record.finish_reason is None:
+        return Outcome.DIED, f"{tokens} of {expected_tokens} tokens and no finish_reason"
+    if tokens != expected_tokens:
+        return Outcome.FAILED, f"finish_reason {record.finish_reason!r} after {tokens} tokens"
+    return Outcome.COMPLETED, ""
+
+
+def summarize(records: list[StreamRecord], expected_tokens: int) -> dict:
+    """Counts per outcome (they add up to the requests), refusals by kind, latencies."""
+    classified = [(record, *classify(record, expected_tokens)) for record in records]
+    counts = Counter(outcome for _, outcome, _ in classified)
+    ttfts = [r.first_token_s - r.sent_s for r, o, _ in classified if o is Outcome.COMPLETED]
+    refusals = [r.end_s - r.sent_s for r, o, _ in classified if o is Outcome.REFUSED]
+    unfinished = Counter(f"{o.value}: {d}" for _, o, d in classified if o is not Outcome.COMPLETED)
+    return {
+        "requests": len(records),
+        **{outcome.name.lower(): counts[outcome] for outcome in Outcome},
+        "refused_by": dict(Counter(d for _, o, d in classified if o is Outcome.REFUSED)),
+        "not_completed": dict(unfinished.most_common()),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "refusal_p50": percentile(refusals, 50),
+        "refusal_p99": percentile(refusals, 99),
+        "drain_s": max((r.end_s for r in records), default=math.nan),
+        "last_written_s": max(
+            (r.written_s for r in records if r.written_s is not None), default=math.nan
+        ),
+    }
+
+
+# -- the client --------------------------------------------------------------------------------
+
+
+def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _read(http: httpx.AsyncClient, body: dict, record: StreamRecord, start: float) -> None:
+    async def trace(event: str, _info: dict) -> None:
+        if event == "http11.send_request_body.complete":
+            record.written_s = time.perf_counter() - start
+
+    extensions = {"trace": trace}
+    async with http.stream("POST", "/v1/completions", json=body, extensions=extensions) as response:
+        record.status = response.status_code
+        if response.status_code != 200:
+            record.body = " ".join((await response.aread()).decode(errors="replace").split())[:200]
+            return
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                absorb_event(record, line[5:].strip(), time.perf_counter() - start)
+
+
+async def _one(http: httpx.AsyncClient, body: dict, start: float, timeout_s: float) -> StreamRecord:
+    record = StreamRecord(sent_s=time.perf_counter() - start)
+    try:
+        await asyncio.wait_for(_read(http, body, record, start), timeout_s)
+    except asyncio.TimeoutError:
+        record.timed_out = True
+    except Exception as error:  # noqa: BLE001 - one request's failure is a result, not a crash
+        record.exception = f"{type(error).__name__}: {error}"[:200]
+    record.end_s = time.perf_counter() - start
+    return record
+
+
+def _sample_rss(pids: dict[str, int], peaks: dict[str, int]) -> None:
+    for label, pid in pids.items():
+        kib = status_kib(pid, "VmRSS")
+        if kib is not None:
+            peaks[label] = max(peaks.get(label, 0), kib)
+
+
+async def _sampler(pids: dict[str, int], peaks: dict[str, int]) -> None:
+    while True:
+        _sample_rss(pids, peaks)
+        await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+
+async def send_burst(
+    url: str,
+    bodies: list[dict],
+    timeout_s: float,
+    pids: dict[str, int] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> tuple[list[StreamRecord], dict[str, int]]:
+    """Sends every body at once; returns one record per body (in order) and the peak VmRSS
+    (KiB) of each process in `pids` while they ran. One connection per stream, spread over
+    clients of STREAMS_PER_CLIENT: a client's pool rescans all its connections whenever a
+    request starts or ends, which for a thousand in one pool costs more than the streams."""
+    import ssl
+
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    verify = ssl.create_default_context()  # one for all: each client would load the CA file
+    peaks: dict[str, int] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=url, timeout=None, limits=limits, verify=verify, transport=transport
+                )
+            )
+            for _ in range(0, len(bodies), STREAMS_PER_CLIENT)
+        ]
+        sampler = asyncio.create_task(_sampler(pids or {}, peaks))
+        start = time.perf_counter()
+        records = await asyncio.gather(
+            *(
+                _one(clients[i // STREAMS_PER_CLIENT], body, start, timeout_s)
+                for i, body in enumerate(bodies)
+            )
+        )
+        sampler.cancel()
+    _sample_rss(pids or {}, peaks)
+    return list(records), peaks
+
+
+def event_loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run_async(coroutine):
+    if event_loop_name() == "uvloop":
+        import uvloop
+
+        return uvloop.run(coroutine)
+    return asyncio.run(coroutine)
+
+
+# -- the server and its processes -----------------------------------------------------------
+
+
+def status_kib(pid: int, name: str) -> int | None:
+    """A `kB` line of /proc/PID/status (VmRSS, VmHWM); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith(f"{name}:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_label(argv: list[str]) -> str:
+    """`router`, or a node's id without its per-deployment suffix (`prefill-0`)."""
+    if "--node-id" in argv[:-1]:
+        return argv[argv.index("--node-id") + 1].split(".")[0]
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    return Path(argv[0]).name if argv else "?"
+
+
+def server_processes(launcher_pid: int) -> dict[str, int]:
+    """The launcher's children (the router and the nodes) by label, found through the parent
+    ids in /proc/*/stat."""
+    found: dict[str, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if parent != launcher_pid:
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                argv = [a.decode(errors="replace") for a in cmdline.read().split(b"\0") if a]
+        except (OSError, ValueError, IndexError):
+            continue
+        label = process_label(argv)
+        found[label if label not in found else f"{label} ({entry.name})"] = int(entry.name)
+    return dict(sorted(found.items()))
+
+
+def raise_open_file_limit(needed: int) -> None:
+    """One socket per stream on either side; the servers started here inherit the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if want < needed:
+        say(f"open files are limited to {want:,} (hard limit); a burst may need {needed:,}")
+
+
+# -- one deployment, every burst ------------------------------------------------------------
+
+
+def run_burst(
+    server: ServeProcess, model: str, prompts: list[list[int]], args: argparse.Namespace
+) -> dict:
+    bodies = [completion_body(model, prompt, args.max_tokens) for prompt in prompts]
+    pids = server_processes(server.process.pid)
+    before = {label: status_kib(pid, "VmRSS") for label, pid in pids.items()}
+    cpu_start = time.process_time()
+    records, peaks = run_async(send_burst(server.url, bodies, args.timeout, pids))
+    summary = summarize(records, args.max_tokens)
+    summary["client_cpu_s"] = time.process_time() - cpu_start
+    summary["memory_kib"] = {
+        label: {"before": before[label], "peak": peaks.get(label), "hwm": status_kib(pid, "VmHWM")}
+        for label, pid in pids.items()
+    }
+    after = server_processes(server.process.pid)
+    summary["replaced_processes"] = sorted(k for k, pid in pids.items() if after.get(k) != pid)
+    return summary
+
+
+def run_deployment(
+    name: str,
+    args: argparse.Namespace,
+    prompts_by_burst: dict[int, list[list[int]]],
+    vocab: list[int],
+) -> dict:
+    from bench.serve_datasets import warmup_requests
+    from bench.serve_load import discover_model
+
+    model_flags = ["--model", args.model] if args.model else []
+    flags = [*model_flags, *DEPLOYMENTS[name], *args.server_arg]
+    say(f"{name}: pdserve serve {' '.join(flags)}")
+    logs = None
+    if args.server_logs:
+        Path(args.server_logs).mkdir(parents=True, exist_ok=True)
+        logs = Path(args.server_logs) / f"burst-{name}.log"
+    deployment: dict = {"flags": flags, "bursts": {}}
+    try:
+        server = ServeProcess(flags, quiet=True, log_path=logs, port=args.port)
+    except RuntimeError as error:
+        deployment["error"] = f"the server did not start ({error})"
+        say(f"{name}: {deployment['error']}")
+        return deployment
+    try:
+        model = discover_model(server.url)
+        warmup = [
+            completion_body(model, r.prompt, r.max_tokens)
+            for r in warmup_requests(WARMUP_REQUESTS, vocab, args.seed)
+        ]
+        run_async(send_burst(server.url, warmup, args.timeout))
+        for index, (size, prompts) in enumerate(prompts_by_burst.items()):
+            if index:
+                time.sleep(SETTLE_S)
+            summary = run_burst(server, model, prompts, args)
+            deployment["bursts"][str(size)] = summary
+            say(
+                f"{name}, burst {size}: {summary['completed']} completed, {summary['refused']} "
+                f"refused, {summary['died']} died after a token, {summary['timed_out']} timed "
+                f"out, {summary['failed']} failed; drained in {summary['drain_s']:.1f} s"
+            )
+            if server.process.poll() is not None:
+                deployment["error"] = f"the server exited ({server.process.returncode})"
+                break
+    finally:
+        server.close()
+    return deployment
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"{text!r} is not a list of positive integers, e.g. 100,300,1000")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.burst",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--bursts", default="100,300,1000", help="requests per burst")
+    parser.add_argument("--deployments", default="colocated,1p1d", help=", ".join(DEPLOYMENTS))
+    parser.add_argument("--prompt-len", type=int, default=140, help="tokens per prompt")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens out (EOS ignored)")
+    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more `pdserve serve` flag for every deployment, with '=': "
+        "--server-arg=--max-queued-requests=256 (repeatable)",
+    )
+    parser.add_argument("--port", type=int, default=None, help="the router's (default: a free one)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-logs", default=None, help="folder for each server's output")
+    parser.add_argument("--out-dir", default=str(RESULTS), help="where burst.md/.json go")
+    args = parser.parse_args(argv)
+    try:
+        args.bursts = _positive_ints(args.bursts)
+    except ValueError as error:
+        parser.error(f"--bursts: {error}")
+    args.deployments = [name.strip() for name in args.deployments.split(",") if name.strip()]
+    unknown = [name for name in args.deployments if name not in DEPLOYMENTS]
+    if unknown or not args.deployments:
+        parser.error(f"--deployments {unknown or 'is empty'}: choose from {', '.join(DEPLOYMENTS)}")
+    for flag, value in (("--prompt-len", args.prompt_len), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            parser.error(f"{flag} is {value}; expected at least 1")
+    if not args.timeout > 0:
+        parser.error(f"--timeout is {args.timeout}; expected a positive number of seconds")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import shlex
+
+    from bench.machine import load_average, machine_info
+    from bench.serve_datasets import RandomSpec, random_requests
+    from bench.serve_report import json_safe
+    from bench.serve_vocab import load_vocabulary
+
+    raw = sys.argv[1:] if argv is None else argv
+    args = parse_args(raw)
+    machine = machine_info()
+    if args.model is None:
+        from engine.default_model import ensure_default_model
+
+        vocab = load_vocabulary(str(ensure_default_model()), None)
+    else:
+        vocab = load_vocabulary(args.model, None)
+    spec = RandomSpec(args.prompt_len, args.max_tokens)
+    prompts_by_burst = {
+        size: [
+            r.prompt for r in random_requests(spec, size, vocab.ids, f"burst-{size}-{args.seed}")
+        ]
+        for size in args.bursts
+    }
+    raise_open_file_limit(2 * max(args.bursts) + 1024)
+    deployments = {
+        name: run_deployment(name, args, prompts_by_burst, vocab.ids) for name in args.deployments
+    }
+    machine["load average at end"] = load_average()
+    setup = {
+        "model": args.model or "SmolLM2-135M-Instruct (the default model)",
+        "prompts": f"{args.prompt_len} random token ids from {vocab.source}, distinct per request",
+        "output": f"{args.max_tokens} tokens, greedy, EOS ignored, streamed with usage",
+        "per-request timeout": f"{args.timeout:g} s",
+        "client": f"httpx, one {event_loop_name()} loop, one connection per stream",
+        "warm-up": f"{WARMUP_REQUESTS} short requests per server, {SETTLE_S:g} s between "
+        "bursts; bursts in the order given, against the same server",
+        "extra server flags": " ".join(args.server_arg) or "none",
+    }
+    result = json_safe(
+        {
+            "command": shlex.join(["python", "-m", "bench.burst", *raw]),
+            "machine": machine,
+            "setup": setup,
+            "deployments": deployments,
+        }
+    )
+    text = markdown(result)
+    print(text)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "burst.md").write_text(text)
+    (out_dir / "burst.json").write_text(json.dumps(result, indent=2) + "\n")
+    say(f"wrote burst.md and burst.json to {out_dir}")
+    died = any(s["died"] for run in deployments.values() for s in run["bursts"].values())
+    return 1 if died or any(run.get("error") for run in deployments.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

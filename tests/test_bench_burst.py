@@ -1,0 +1,265 @@
+"""The burst benchmark: each stream's outcome from what it saw, the summary's counts and
+percentiles, the report, the client against canned answers, and one small burst against a real
+`pdserve serve` on the tiny model in which every request is counted exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+
+import httpx
+import pytest
+
+from bench.burst import (
+    Outcome,
+    StreamRecord,
+    absorb_event,
+    classify,
+    completion_body,
+    main,
+    parse_args,
+    process_label,
+    send_burst,
+    summarize,
+)
+from bench.burst_report import markdown
+
+MAX_TOKENS = 4
+
+
+def _chunk(text: str, finish: str | None = None) -> str:
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [choice]})
+
+
+def _usage(tokens: int) -> str:
+    return json.dumps({"id": "cmpl-1", "choices": [], "usage": {"completion_tokens": tokens}})
+
+
+def _error(message: str) -> str:
+    return json.dumps({"error": {"message": message, "type": "service_unavailable_error"}})
+
+
+def _streamed(*payloads: str, status: int = 200, **fields) -> StreamRecord:
+    record = StreamRecord(status=status, **fields)
+    for index, payload in enumerate(payloads):
+        absorb_event(record, payload, 0.5 + index * 0.1)
+    return record
+
+
+def _full_stream() -> list[str]:
+    texts = [_chunk("a"), _chunk("b"), _chunk("c"), _chunk("d", "length")]
+    return [*texts, _usage(MAX_TOKENS), "[DONE]"]
+
+
+def test_a_full_stream_is_read_into_tokens_first_token_time_and_finish_reason():
+    record = _streamed(*_full_stream())
+    assert (record.text_chunks, record.usage_tokens, record.tokens) == (4, 4, 4)
+    assert record.first_token_s == 0.5 and record.finish_reason == "length"
+    assert record.error_event == ""
+    assert classify(record, MAX_TOKENS) == (Outcome.COMPLETED, "")
+
+
+def test_the_usage_count_wins_over_text_chunks_and_a_finish_chunk_may_be_empty():
+    record = _streamed(_chunk("ab"), _chunk("", "length"), _usage(MAX_TOKENS))
+    assert record.text_chunks == 1 and record.tokens == MAX_TOKENS
+    assert classify(record, MAX_TOKENS)[0] is Outcome.COMPLETED
+
+
+@pytest.mark.parametrize(
+    ("record", "outcome", "detail"),
+    [
+        (StreamRecord(status=429, end_s=0.01), Outcome.REFUSED, "HTTP 429"),
+        (StreamRecord(status=503, end_s=0.01), Outcome.REFUSED, "HTTP 503"),
+        (_streamed(_error("no node"), "[DONE]"), Outcome.REFUSED, "error event"),
+        (
+            _streamed(_chunk("a"), _error("node died"), "[DONE]"),
+            Outcome.DIED,
+            "error event after 1 tokens: node died",
+        ),
+        (
+            _streamed(_chunk("a"), _chunk("b"), exception="RemoteProtocolError: cut"),
+            Outcome.DIED,
+            "the stream broke after 2 tokens: RemoteProtocolError: cut",
+        ),
+        (
+            _streamed(_chunk("a"), "[DONE]"),
+            Outcome.DIED,
+            "1 of 4 tokens and no finish_reason",
+        ),
+        (
+            _streamed(_chunk("a"), timed_out=True),
+            Outcome.TIMED_OUT,
+            "after 1 tokens",
+        ),
+        (StreamRecord(timed_out=True), Outcome.TIMED_OUT, "after 0 tokens"),
+        (
+            StreamRecord(exception="ConnectError: refused"),
+            Outcome.FAILED,
+            "no answer: ConnectError: refused",
+        ),
+        (StreamRecord(status=400, body="too long"), Outcome.FAILED, "HTTP 400: too long"),
+        (
+            _streamed(exception="ReadError: reset"),
+            Outcome.FAILED,
+            "the stream broke before a token: ReadError: reset",
+        ),
+        (_streamed("[DONE]"), Outcome.FAILED, "the stream ended without a token"),
+        (
+            _streamed(_chunk("a", "stop"), _usage(1)),
+            Outcome.FAILED,
+            "finish_reason 'stop' after 1 tokens",
+        ),
+    ],
+)
+def test_each_stream_gets_exactly_one_outcome_and_its_reason(record, outcome, detail):
+    assert classify(record, MAX_TOKENS) == (outcome, detail)
+
+
+def test_summary_counts_add_up_and_percentiles_take_the_nearest_rank():
+    completed = [
+        _streamed(*_full_stream(), sent_s=0.1, end_s=1.0 + i) for i in range(3)
+    ]  # TTFT 0.4 s each
+    completed[2].first_token_s = 2.1  # TTFT 2.0 s
+    refused = [StreamRecord(status=429, sent_s=0.0, end_s=t) for t in (0.02, 0.03, 0.2)]
+    died = _streamed(_chunk("a"), _error("gone"), sent_s=0.0, end_s=9.5)
+    timed_out = StreamRecord(timed_out=True, sent_s=0.0, end_s=5.0, written_s=0.05)
+    summary = summarize([*completed, *refused, died, timed_out], MAX_TOKENS)
+    assert summary["requests"] == 8
+    counts = {outcome.name.lower(): summary[outcome.name.lower()] for outcome in Outcome}
+    assert counts == {"completed": 3, "refused": 3, "died": 1, "timed_out": 1, "failed": 0}
+    assert sum(counts.values()) == summary["requests"]
+    assert summary["refused_by"] == {"HTTP 429": 3}
+    assert summary["ttft_p50"] == pytest.approx(0.4) and summary["ttft_p99"] == pytest.approx(2.0)
+    assert summary["refusal_p50"] == 0.03 and summary["refusal_p99"] == 0.2
+    assert summary["drain_s"] == 9.5 and summary["last_written_s"] == 0.05
+    assert summary["not_completed"] == {
+        "refused: HTTP 429": 3,
+        "died after a token: error event after 1 tokens: gone": 1,
+        "timed out: after 0 tokens": 1,
+    }
+
+
+def test_an_empty_burst_summarizes_to_no_samples():
+    summary = summarize([], MAX_TOKENS)
+    assert summary["requests"] == 0 and summary["completed"] == 0
+    assert math.isnan(summary["ttft_p50"]) and math.isnan(summary["drain_s"])
+
+
+def _result(died: int) -> dict:
+    memory = {
+        "router": {"before": 300 * 1024, "peak": 340 * 1024, "hwm": 350 * 1024},
+        "colocated-0": {"before": 900 * 1024, "peak": 1000 * 1024, "hwm": 1000 * 1024},
+    }
+    summary = {
+        **summarize([_streamed(*_full_stream(), end_s=1.0)] * 2, MAX_TOKENS),
+        "client_cpu_s": 0.4,
+        "memory_kib": memory,
+        "replaced_processes": [],
+    }
+    slower = {**summary, "drain_s": 2.0, "died": died}
+    slower["memory_kib"] = {"router": memory["router"], "decode-0": memory["colocated-0"]}
+    return {
+        "command": "python -m bench.burst --bursts 2",
+        "machine": {"cores": "2 usable (2 online)"},
+        "setup": {"prompts": "140 random token ids"},
+        "deployments": {
+            "colocated": {"flags": ["--colocated"], "bursts": {"2": summary}},
+            "1p1d": {"flags": ["--prefill", "1", "--decode", "1"], "bursts": {"2": slower}},
+            "2p1d": {"flags": ["--prefill", "2"], "bursts": {}, "error": "did not start"},
+        },
+    }
+
+
+def test_report_has_a_row_per_deployment_and_burst_memory_columns_and_ratios():
+    text = markdown(_result(died=0))
+    assert "Command: `python -m bench.burst --bursts 2`" in text
+    assert "| colocated | 2 | 2/2 | 0 (0 / 0 / 0) | 0 | 0 | 0 | 0.50 / 0.50 |" in text
+    assert "| 2p1d | - | not run: did not start |" in text
+    assert "| deployment | burst | router | colocated-0 | decode-0 |" in text
+    assert "| colocated | 2 | 340 (+40) | 1000 (+100) | - |" in text
+    assert "| 1p1d / colocated | 2 | 2 vs 2 | 2.00x |" in text
+    assert "Died after a token: 0 in every run." in text
+    assert "- 2p1d: did not start" in text
+
+
+def test_report_marks_requests_that_died_after_a_token():
+    text = markdown(_result(died=1))
+    assert "| **1 (must be 0)** |" in text
+    assert "**Died after a token: 1 requests (must be 0); see below.**" in text
+
+
+def test_process_labels_name_the_router_and_each_node_without_the_port_suffix():
+    assert process_label(["python", "-m", "router", "--port", "8000"]) == "router"
+    node = ["python", "-m", "prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
+    assert process_label(node) == "prefill-0"
+
+
+def test_bad_flags_are_refused_with_the_value(capsys):
+    for argv in (["--bursts", "100,0"], ["--deployments", "colocated,4p4d"], ["--timeout", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert "4p4d" in capsys.readouterr().err
+    args = parse_args(["--server-arg=--max-queued-requests=8", "--bursts", "8"])
+    assert args.server_arg == ["--max-queued-requests=8"] and args.bursts == [8]
+
+
+def test_the_client_records_every_kind_of_answer_once_in_request_order():
+    """Canned answers by prompt: a full stream, a 429, an error event after a token, a stream
+    cut mid-way, and one too slow for the timeout."""
+
+    async def cut_stream():
+        yield f"data: {_chunk('a')}\n\n".encode()
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        kind = json.loads(request.content)["prompt"][0]
+        headers = {"content-type": "text/event-stream"}
+        if kind == 0:
+            body = "".join(f"data: {p}\n\n" for p in _full_stream())
+            return httpx.Response(200, headers=headers, content=body.encode())
+        if kind == 1:
+            return httpx.Response(429, json={"error": {"message": "queue full"}})
+        if kind == 2:
+            body = f"data: {_chunk('a')}\n\ndata: {_error('node lost')}\n\ndata: [DONE]\n\n"
+            return httpx.Response(200, headers=headers, content=body.encode())
+        if kind == 3:
+            return httpx.Response(200, headers=headers, content=cut_stream())
+        await asyncio.sleep(5)
+        return httpx.Response(500)
+
+    bodies = [completion_body("m", [kind, 7], MAX_TOKENS) for kind in (0, 1, 2, 3, 4, 0)]
+    transport = httpx.MockTransport(handler)
+    records, _ = asyncio.run(send_burst("http://burst.test", bodies, 0.5, transport=transport))
+    outcomes = [classify(record, MAX_TOKENS)[0] for record in records]
+    assert outcomes == [
+        Outcome.COMPLETED,
+        Outcome.REFUSED,
+        Outcome.DIED,
+        Outcome.DIED,
+        Outcome.TIMED_OUT,
+        Outcome.COMPLETED,
+    ]
+    assert "RemoteProtocolError" in records[3].exception
+    assert 0.5 <= records[4].end_s < 2.0
+
+
+def test_a_burst_against_a_real_server_counts_every_request_exactly_once(tiny_llama_dir, tmp_path):
+    """PDSERVE_TEST_PORT pins the router's port (default: a free one)."""
+    port = os.environ.get("PDSERVE_TEST_PORT")
+    argv = ["--model", str(tiny_llama_dir), "--deployments", "colocated", "--bursts", "8"]
+    argv += ["--prompt-len", "40", "--max-tokens", str(MAX_TOKENS), "--timeout", "60"]
+    argv += ["--server-arg=--threads-per-node=1", f"--server-arg=--kv-cache-memory={16 << 20}"]
+    argv += ["--out-dir", str(tmp_path), *(["--port", port] if port else [])]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "burst.json").read_text())
+    summary = result["deployments"]["colocated"]["bursts"]["8"]
+    counts = [summary[outcome.name.lower()] for outcome in Outcome]
+    assert sum(counts) == summary["requests"] == 8
+    assert summary["completed"] == 8 and summary["died"] == 0
+    assert 0 < summary["ttft_p50"] <= summary["ttft_p99"] <= summary["drain_s"]
+    assert {"router", "colocated-0"} <= set(summary["memory_kib"])
+    assert summary["memory_kib"]["colocated-0"]["peak"] > 0
+    assert "| colocated | 8 | 8/8 |" in (tmp_path / "burst.md").read_text()
