@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: install serve test bench download clean
+.PHONY: install serve test test-fast test-stress bench download clean
 
 install: $(STAMP)
 
@@ -23,9 +23,38 @@ serve: install
 test: install
 	$(PY) -m pytest -q
 
+# In-process tests only (no server, node or peer process; nothing that takes seconds): < 1 min.
+test-fast: install
+	$(PY) -m pytest -q -m "not processes and not slow and not default_model"
+
+# The fault and end-to-end tests while a busy-looping process occupies every core (started
+# before pytest, stopped after it whatever the outcome): they must hold on a loaded machine.
+test-stress: install
+	$(PY) -m tests.cpu_hog -- $(PY) -m pytest -q tests/test_fault_*.py tests/test_e2e_*.py
+
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.offline
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
+
+# The GPU check (README, "GPU check"): `make gpu-wheels` where pip reaches an index, then
+# `make gpu-check` on the GPU machine, offline. The wheels are what that machine (Python 3.12,
+# x86_64) lacks; they travel with the checkout in an ignored folder, kept under 32 MiB.
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_PACKAGES := 'pyzmq>=26' 'fastapi>=0.110' 'uvicorn>=0.29' 'pydantic>=2.6'
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
+	manylinux_2_17_x86_64 manylinux2014_x86_64
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
+	@size=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$size MiB"; \
+		test $$size -lt 32 || { echo "$(GPU_WHEELS) is over 32 MiB"; exit 1; }
+
+gpu-check:
+	bash bench/gpu_check.sh

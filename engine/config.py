@@ -24,7 +24,14 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_SWAP_SPACE = 4 << 30
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """What `attention_backend="auto"` means on `device`: the Triton kernels on CUDA, the torch
+    reference (gather by block table, then SDPA) on the CPU."""
+    return "triton" if device.type == "cuda" else "torch"
 
 
 @dataclass
@@ -34,13 +41,21 @@ class EngineConfig:
     model: a model folder (config.json + *.safetensors + tokenizer files); None means the
         default model, downloaded on first use.
     dtype: "auto" (fp32 on CPU; the config's 16-bit dtype or bf16 on CUDA) or a dtype name.
-    kv_cache_memory: bytes for the KV cache; on CUDA, None means a fraction
-        `gpu_memory_utilization` of the device's memory minus what is already in use.
+    load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
+        drawn from `seed`; the folder needs only config.json, and without tokenizer files the
+        engine takes token ids only) (engine/loader.py).
+    kv_cache_memory: bytes for the KV cache; on CUDA, None means this process's share of the
+        device (engine/memory_budget.py) minus what the process already holds.
+    gpu_memory_utilization: the fraction of the device's memory that the `processes_on_device`
+        node processes placed on it may hold together (weights, activations, KV cache); each
+        gets an equal share. One process with a smaller fraction is an explicit share.
     num_kv_blocks: an exact block count, overriding the memory budget (tests, capacity drills).
     max_model_len: None means the model's `max_position_embeddings`.
-    attention_backend: "torch" (the CPU default) or "triton" (GPU kernels).
-    cuda_graphs: replay captured CUDA graphs for pure-decode steps (CUDA and the triton
-        backend only; ignored on the CPU).
+    attention_backend: "auto" (triton on a CUDA device, torch on the CPU), "torch" or
+        "triton"; construction resolves "auto", so the field always names a backend.
+    cuda_graphs: replay captured CUDA graphs for pure-decode steps (the triton backend only;
+        ignored on the CPU). None means on exactly when the device is CUDA and the backend
+        triton; construction resolves it. The CLIs' `--enforce-eager` sets it False.
     enable_prefix_caching: keep full KV blocks after their requests and reuse them for prompts
         that start with the same tokens; `prefix_cache_min_blocks` is the shortest run of full
         blocks worth keeping.
@@ -55,6 +70,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    load_format: str = "auto"
     device: str = "auto"
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -63,8 +79,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    attention_backend: str = "torch"
-    cuda_graphs: bool = False
+    processes_on_device: int = 1
+    attention_backend: str = "auto"
+    cuda_graphs: bool | None = None
     enable_prefix_caching: bool = True
     prefix_cache_min_blocks: int = 2
     num_threads: int | None = None
@@ -100,8 +117,14 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.processes_on_device < 1:
+            raise ValueError(f"processes_on_device must be >= 1, got {self.processes_on_device}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -120,9 +143,20 @@ class EngineConfig:
             )
         if self.priority_aging_s < 0:
             raise ValueError(f"priority_aging_s must be >= 0, got {self.priority_aging_s}")
-        from engine.attention import check_attention_backend
+        from engine.attention import ATTENTION_BACKENDS
 
-        check_attention_backend(self.attention_backend)
+        if self.attention_backend == "auto":
+            self.attention_backend = default_attention_backend(self.resolve_device())
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend {self.attention_backend!r} is unknown; valid: "
+                f"{', '.join(sorted(ATTENTION_BACKENDS))}, or 'auto' (triton on CUDA, torch on "
+                "the CPU)"
+            )
+        if self.cuda_graphs is None:
+            self.cuda_graphs = (
+                self.resolve_device().type == "cuda" and self.attention_backend == "triton"
+            )
         if self.cuda_graphs and self.attention_backend != "triton":
             raise ValueError(
                 f"cuda_graphs needs attention_backend 'triton', got {self.attention_backend!r}"

@@ -13,6 +13,11 @@ split plan comes from `max_model_len`, not from the step, so it is fixed at capt
 Steps with a prefill chunk, or more sequences than the largest bucket, run eagerly. The sampler
 runs outside the graph, on the logits the graph leaves in its output buffer; that buffer is
 overwritten by the next replay.
+
+Memory: the graphs share one private pool. The largest bucket is captured first, so the smaller
+ones reuse the activations' memory it reserved; each graph keeps its own logits buffer. The
+model runner reserves that much before it sizes the KV cache (engine/memory_profile.py), and
+`memory_bytes` is what capture really took, for the log.
 """
 
 from __future__ import annotations
@@ -60,10 +65,19 @@ class DecodeGraphs:
             )
             self.logits_indices = torch.arange(largest, dtype=torch.long, device=device)
             self.pool = torch.cuda.graph_pool_handle()
+            self.warm_up_stream = torch.cuda.Stream(device)
             self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            reserved_before = torch.cuda.memory_reserved(device)
             # Largest first: the smaller graphs then fit in the memory its capture reserved.
             for size in reversed(self.buckets):
                 self.graphs[size] = self._capture(size)
+            # The warm-up runs' blocks are cached for their stream, where no step will reuse
+            # them: give them back to the device (the graphs' pool stays).
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            self.memory_bytes = max(torch.cuda.memory_reserved(device) - reserved_before, 0)
 
     def _forward(self, size: int, metadata: TritonAttentionMetadata) -> torch.Tensor:
         return self.model(
@@ -84,7 +98,7 @@ class DecodeGraphs:
         )
         # A warm-up run on a side stream compiles the kernels and settles the allocator, which
         # must not happen during capture. Every row is padding here: nothing is written.
-        side = torch.cuda.Stream()
+        side = self.warm_up_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(size, metadata)

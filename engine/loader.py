@@ -1,4 +1,14 @@
-"""Builds a model from a folder: class from the registry, weights from *.safetensors."""
+"""Builds a model from a folder: class from the registry, weights by load format.
+
+Load formats (`EngineConfig.load_format`):
+  "auto":  weights from the folder's *.safetensors;
+  "dummy": random weights drawn from `seed` (the folder needs only config.json), to measure
+           speed and memory with a model's shapes where its weights cannot be had.
+Either way every parameter is created directly in the target dtype on the target device (the
+model classes take a `dtype`), so loading never holds the weights twice: a bf16 model never
+exists in fp32, and a checkpoint tensor of another dtype is converted on the host, one tensor
+at a time, before it is copied in.
+"""
 
 from __future__ import annotations
 
@@ -9,27 +19,53 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.config import LOAD_FORMATS
 from engine.model_config import ModelConfig
 from engine.models import model_class
+
+DEFAULT_DUMMY_WEIGHT_STD = 0.02
 
 
 def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} holds no *.safetensors weights")
+        raise ValueError(
+            f"{folder} holds no *.safetensors weights (load format 'dummy' makes random ones "
+            "from config.json alone)"
+        )
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
 
 
-def load_model(
-    config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device
+def build_model(
+    config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device | str
 ) -> nn.Module:
-    cls = model_class(config)
+    """The model's modules with uninitialized weights in `dtype` on `device`; the "meta"
+    device allocates nothing (shapes and parameter counts of any size of model)."""
     with torch.device(device):
-        model = cls(config, max_positions)
-    model.to(dtype=dtype)
-    model.rotary.to(dtype=torch.float32)
-    model.load_weights(iterate_safetensors(config.path))
+        return model_class(config)(config, max_positions, dtype=dtype)
+
+
+def load_model(
+    config: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model = build_model(config, max_positions, dtype, device)
+    if load_format == "dummy":
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        std = getattr(config.hf_config, "initializer_range", None) or DEFAULT_DUMMY_WEIGHT_STD
+        model.load_random_weights(generator, std)
+    else:
+        model.load_weights(
+            (name, tensor.to(dtype)) for name, tensor in iterate_safetensors(config.path)
+        )
     return model.eval().requires_grad_(False)

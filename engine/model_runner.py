@@ -4,18 +4,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import attention_backend_class
+from engine.attention.base import AttentionBackend
 from engine.batch import build_flat_batch
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.cpu_allocator import keep_freed_memory_for_reuse
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model
+from engine.memory_budget import kv_cache_budget
+from engine.memory_profile import (
+    CudaMemoryStats,
+    MemoryProfile,
+    StepShape,
+    largest_decode_shape,
+    max_step_shapes,
+    profile_device_memory,
+)
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SampleResult
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +46,26 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len: int,
         kv_cache_factory: KVCacheFactory = KVCache,
+        memory_stats: CudaMemoryStats | None = None,
     ):
+        """Loads the model, sizes and allocates the KV cache, then captures the CUDA graphs, in
+        the order engine/memory_profile.py gives. `memory_stats` measures the device for the KV
+        cache's budget: by default the CUDA allocator's on a CUDA device, none on the CPU
+        (where the budget is `kv_cache_memory` or a fixed default); a test passes a fake."""
         self.config = config
         self.model_config = model_config
+        self.max_model_len = max_model_len
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device, model_config.config_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
-        self.model = load_model(model_config, max_model_len, self.dtype, self.device)
+        if memory_stats is None and self.device.type == "cuda":
+            memory_stats = CudaMemoryStats(self.device)
+        self.model = load_model(
+            model_config, max_model_len, self.dtype, self.device, config.load_format, config.seed
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        self.attention_class = attention_backend_class(config.attention_backend)
         spec = KVCacheSpec(
             num_layers=model_config.num_layers,
             num_kv_heads=model_config.num_kv_heads,
@@ -45,37 +73,122 @@ class ModelRunner:
             block_size=config.block_size,
             dtype=self.dtype,
         )
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for(self._kv_cache_budget())
+        self.memory_profile: MemoryProfile | None = None
+        graph_buckets: list[int] = []
+        if config.cuda_graphs and self.device.type == "cuda":
+            from engine.cuda_graphs import decode_buckets
+
+            graph_buckets = decode_buckets(config.max_num_seqs)
+        num_blocks = config.num_kv_blocks or spec.num_blocks_for(
+            self._kv_cache_budget(spec, memory_stats, graph_buckets)
+        )
         self.kv_cache = kv_cache_factory(spec, num_blocks, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.kv_cache.num_blocks, config.block_size,
             self.kv_cache.num_blocks * spec.bytes_per_block / 2**20,
         )
-        self.attention = attention_backend_class(config.attention_backend)(
-            self.kv_cache,
+        self.attention = self._attention_backend(self.kv_cache)
+        self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
+
+    def _capture_decode_graphs(self) -> DecodeGraphs:
+        from engine.cuda_graphs import DecodeGraphs
+
+        config = self.config
+        graphs = DecodeGraphs(
+            self.model, self.attention, config.max_num_seqs, self.max_model_len,
+            config.block_size, self.device,
+        )
+        logger.info(
+            "CUDA graphs: %d decode batch sizes captured, %.1f MiB",
+            len(graphs.buckets), graphs.memory_bytes / 2**20,
+        )
+        reserved = self.memory_profile.graph_reserve_bytes if self.memory_profile else None
+        if reserved is not None and graphs.memory_bytes > reserved:
+            logger.warning(
+                "CUDA graphs took %.1f MiB, %.1f MiB more than the KV budget reserved for "
+                "them; lower gpu_memory_utilization if steps run out of memory",
+                graphs.memory_bytes / 2**20, (graphs.memory_bytes - reserved) / 2**20,
+            )
+        return graphs
+
+    def _attention_backend(self, kv_cache: KVCache) -> AttentionBackend:
+        model_config = self.model_config
+        return self.attention_class(
+            kv_cache,
             model_config.num_heads,
             model_config.num_kv_heads,
             model_config.head_dim,
             model_config.sliding_window,
         )
-        self.sampler = Sampler(config.seed, self.device)
-        self.decode_graphs = None
-        if config.cuda_graphs and self.device.type == "cuda":
-            from engine.cuda_graphs import DecodeGraphs
 
-            self.decode_graphs = DecodeGraphs(
-                self.model, self.attention, config.max_num_seqs, max_model_len,
-                config.block_size, self.device,
-            )
-
-    def _kv_cache_budget(self) -> int:
-        if self.config.kv_cache_memory is not None:
-            return self.config.kv_cache_memory
-        if self.device.type != "cuda":
+    def _kv_cache_budget(
+        self,
+        spec: KVCacheSpec,
+        memory_stats: CudaMemoryStats | None,
+        graph_buckets: list[int],
+    ) -> int:
+        config = self.config
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        if memory_stats is None:
             return DEFAULT_CPU_KV_CACHE_MEMORY
-        free, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.gpu_memory_utilization) - (total - free)
+        max_steps = max_step_shapes(
+            config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
+        )
+        run_largest_decode = None
+        kept_graph_output_bytes = 0
+        if graph_buckets:
+            decode = largest_decode_shape(graph_buckets[-1], self.max_model_len)
+
+            def run_largest_decode() -> None:
+                self._profile_step(spec, decode, sample=False)
+
+            logits_row_bytes = self.model_config.vocab_size * self.dtype.itemsize
+            kept_graph_output_bytes = (sum(graph_buckets) - graph_buckets[-1]) * logits_row_bytes
+
+        def run_max_steps() -> None:
+            for shape in max_steps:
+                self._profile_step(spec, shape)
+
+        memory, self.memory_profile = profile_device_memory(
+            memory_stats, run_max_steps, run_largest_decode, kept_graph_output_bytes
+        )
+        return kv_cache_budget(memory, config.gpu_memory_utilization, config.processes_on_device)
+
+    @torch.inference_mode()
+    def _profile_step(self, spec: KVCacheSpec, shape: StepShape, sample: bool = True) -> None:
+        """A forward (and, with `sample`, sampling with every filter on) of a step of `shape`,
+        over a one-block throwaway KV cache every block table points at; for its peak memory."""
+        device = self.device
+        backend = self._attention_backend(KVCache(spec, 1, device))
+        num_seqs = len(shape.chunk_lens)
+        width = -(-(shape.context_len + max(shape.chunk_lens)) // spec.block_size)
+        batch = build_flat_batch(
+            token_chunks=[[0] * n for n in shape.chunk_lens],
+            context_lens=[shape.context_len] * num_seqs,
+            block_tables=[[0] * width] * num_seqs,
+            sample_flags=[True] * num_seqs,
+            block_size=spec.block_size,
+            device=device,
+        )
+        logits = self.model(
+            batch.input_ids, batch.positions, batch.logits_indices, backend, backend.prepare(batch)
+        )
+        if sample:
+            params = SamplingParams(
+                temperature=1.0, top_p=0.9, top_k=50, seed=0, logprobs=MAX_LOGPROBS, max_tokens=1
+            )
+            seqs = [
+                Sequence(f"profile-{i}", [0] * (shape.context_len + n), params, frozenset(), device)
+                for i, n in enumerate(shape.chunk_lens)
+            ]
+            self.sampler(logits, seqs)
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work (CUDA); nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[tuple[ScheduledSequence, SampleResult]]:
@@ -84,7 +197,9 @@ class ModelRunner:
         ordered = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         batch = build_flat_batch(
             token_chunks=[
-                s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
+                s.seq.token_ids[
+                    s.seq.num_computed_tokens : s.seq.num_computed_tokens + s.num_new_tokens
+                ]
                 for s in ordered
             ],
             context_lens=[s.seq.num_computed_tokens for s in ordered],

@@ -6,6 +6,10 @@ SIGINT handlers installed before the (slow) model load, then `build(config, clus
 makes the node and `run()` serves until a signal; the exit status is 0, or 2 for invalid
 settings. The cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here,
 once; without one every address the node binds, advertises or dials must be a loopback one.
+
+Device: a node runs on `--device` (default: the first GPU it sees, else the CPU), made the
+process's current CUDA device before the model loads. `pdserve serve` lists the node's own GPU
+first in its CUDA_VISIBLE_DEVICES (pdserve/launcher.py), so the default is the right one.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from engine.cluster_auth import SECRET_ENV, ClusterAuth
-from engine.config import EngineConfig
+from engine.config import LOAD_FORMATS, EngineConfig
 
 _ENGINE_OPTIONS = (
     "max_model_len",
@@ -30,6 +36,10 @@ _ENGINE_OPTIONS = (
     "block_size",
     "prefix_cache_min_blocks",
     "attention_backend",
+    "load_format",
+    "device",
+    "gpu_memory_utilization",
+    "processes_on_device",
     "num_threads",
     "preemption_mode",
     "admission",
@@ -41,6 +51,11 @@ _ENGINE_OPTIONS = (
 def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", default=None, help="model folder (default: default model)")
+    parser.add_argument(
+        "--load-format", default=None, choices=LOAD_FORMATS,
+        help="auto (default: the folder's *.safetensors) or dummy (random weights from "
+        "config.json alone, for measuring a model's shapes without its weights)",
+    )
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--listen", required=True, help="zmq address to bind, e.g. tcp://...")
     parser.add_argument("--advertise", default=None, help="address others reach --listen at")
@@ -51,7 +66,28 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
+    parser.add_argument(
+        "--attention-backend", default=None,
+        help="auto (default: triton on CUDA, torch on the CPU), torch or triton",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="run every step eagerly: no CUDA graphs (default: decode steps replay CUDA "
+        "graphs on CUDA with the triton backend)",
+    )
+    parser.add_argument(
+        "--device", default=None,
+        help="auto (default: the first visible GPU, else the CPU), cpu or cuda:N",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+        help="fraction of the GPU's memory the node processes on it hold together (default "
+        "0.9), in equal shares",
+    )
+    parser.add_argument(
+        "--processes-on-device", type=int, default=None, metavar="N",
+        help="node processes sharing this node's GPU (default 1); `pdserve serve` counts them",
+    )
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
@@ -90,6 +126,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     }
     if args.swap_space is not None:
         options["swap_space"] = int(args.swap_space * (1 << 30))
+    if args.enforce_eager:
+        options["cuda_graphs"] = False
     return EngineConfig(
         model=args.model, enable_prefix_caching=args.enable_prefix_caching, **options
     )
@@ -107,6 +145,20 @@ def cluster_auth(args: argparse.Namespace) -> ClusterAuth:
         ]
     )
     return auth
+
+
+def use_device(device: torch.device) -> None:
+    """Makes a node's CUDA device the process's current one, so kernels, streams and events
+    that take the current device (Triton launches, CUDA graphs) land on it."""
+    if device.type != "cuda" or device.index is None:
+        return
+    if not 0 <= device.index < torch.cuda.device_count():
+        raise ValueError(
+            f"device {device} is not visible: this process sees "
+            f"{torch.cuda.device_count()} CUDA device(s) (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    torch.cuda.set_device(device)
 
 
 def run_node(
@@ -135,6 +187,7 @@ def run_node(
     try:
         auth = cluster_auth(args)
         config = engine_config(args)
+        use_device(config.resolve_device())
     except ValueError as error:
         logger.error("invalid settings: %s", error)
         return 2

@@ -3,7 +3,11 @@
 The scheduler allocates and frees host blocks (accounting only); the engine performs the copies
 `swap_out` (device blocks -> host blocks) and `swap_in` (host -> device) at the start of a step,
 before anything writes the device blocks that a swap-out just gave up. Both report how many
-bytes they moved and how long it took, which the preemption cost model learns from.
+bytes they moved and how long it took (to the end of the copies on the device), which the
+preemption cost model learns from.
+
+A swap moves all its blocks in batches (engine.kv_cache.BlockStaging): one gather on the
+source side, one copy through a pinned staging buffer on CUDA, one scatter on the other side.
 
 Invariant: a host block is either free or in exactly one swapped sequence's `host_block_table`
 (`check_integrity`).
@@ -15,7 +19,7 @@ import time
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import BlockStaging, KVCache
 
 
 class SwapSpace:
@@ -25,6 +29,7 @@ class SwapSpace:
         self.bytes_per_block = kv_cache.spec.bytes_per_block
         self._free = list(range(num_blocks - 1, -1, -1))
         self._buffer: torch.Tensor | None = None
+        self._staging = BlockStaging()
         self.bytes_out_total = 0
         self.bytes_in_total = 0
 
@@ -58,12 +63,12 @@ class SwapSpace:
             return 0, 0.0
         host = self._host_buffer()
         device = self.kv_cache.buffer
+        sources, destinations = [src for src, _ in pairs], [dst for _, dst in pairs]
         started = time.perf_counter()
-        for src, dst in pairs:
-            if to_host:
-                host[:, :, dst].copy_(device[:, :, src], non_blocking=True)
-            else:
-                device[:, :, dst].copy_(host[:, :, src], non_blocking=True)
+        if to_host:
+            self._staging.copy(host, destinations, device, sources)
+        else:
+            self._staging.copy(device, destinations, host, sources)
         if device.is_cuda:
             torch.cuda.current_stream(device.device).synchronize()
         seconds = time.perf_counter() - started

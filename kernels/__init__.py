@@ -2,6 +2,6 @@
 
 Each kernel sits beside the wrapper that checks its arguments and launches it: store_kv.py,
 decode_attention.py, prefill_attention.py, block_copy.py. reference.py defines what each
-computes; launch.py holds what the wrappers share. This package imports nothing from the rest
-of the project.
+computes; launch.py holds what the wrappers share; tiles.py sizes the attention tiles to the
+device's shared memory. This package imports nothing from the rest of the project.
 """

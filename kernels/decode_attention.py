@@ -9,6 +9,8 @@ Tiling (split-KV, "flash-decoding"):
   With one split the program writes the normalized output. With several, each writes its
   normalized partial output and its log-sum-exp, and a second kernel (grid num_seqs x
   num_heads) combines the splits, weighting each by exp(lse - max lse).
+The plan's tile is an upper bound: the kernel walks keys by the largest tile of kernels/tiles.py
+that fits the device's shared memory and divides the plan's (every power of two below it does).
 Splits cover [kv_start, seq_len), where kv_start = max(0, seq_len - sliding_window) when there
 is a window, so a windowed sequence reads only the keys it can see. A sequence of length 0
 (padding) gets zeros; so does a split that lies past its sequence's end, with weight 0.
@@ -24,18 +26,21 @@ import triton.language as tl
 
 from kernels.launch import (
     LOG2_E,
+    MIN_DOT_DIM,
     NO_WINDOW,
     ceil_div,
     check_index,
     check_paged_cache,
     check_rows,
+    dot_dim,
     dot_operands,
     kernel_runs_on,
     next_power_of_2,
 )
 from kernels.reference import decode_attention_reference
+from kernels.tiles import DecodeTiles, decode_candidates, device_shared_memory, launch_with_fallback
 
-MIN_GROUP_ROWS = 16
+MIN_GROUP_ROWS = MIN_DOT_DIM
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,7 @@ def decode_attention(
         plan = plan_splits(num_seqs, num_kv_heads, int(seq_lens.max()), processors)
 
     group = num_heads // num_kv_heads
+    group_rows = max(MIN_GROUP_ROWS, next_power_of_2(group))
     dot_dtype, precision = dot_operands(q.dtype, _decode_attention_kernel)
     write_partial = plan.num_splits > 1
     if write_partial:
@@ -279,38 +285,48 @@ def decode_attention(
         )
     else:
         partial_out = partial_lse = out
-    _decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        out,
-        partial_out,
-        partial_lse,
-        scale * LOG2_E,
-        sliding_window or NO_WINDOW,
-        plan.tokens_per_split,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        plan.num_splits,
-        GROUP=group,
-        GROUP_PAD=max(MIN_GROUP_ROWS, next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        TILE=plan.tile,
-        WRITE_PARTIAL=write_partial,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
-        num_warps=4,
-        num_stages=2,
+
+    def launch(tiles: DecodeTiles) -> None:
+        _decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            out,
+            partial_out,
+            partial_lse,
+            scale * LOG2_E,
+            sliding_window or NO_WINDOW,
+            plan.tokens_per_split,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            plan.num_splits,
+            GROUP=group,
+            GROUP_PAD=group_rows,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=dot_dim(head_dim),
+            BLOCK_SIZE=block_size,
+            TILE=tiles.tile,
+            WRITE_PARTIAL=write_partial,
+            DOT_DTYPE=dot_dtype,
+            DOT_PRECISION=precision,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+
+    fitting = decode_candidates(q.dtype, head_dim, device_shared_memory(q.device), group_rows)
+    candidates = list(
+        dict.fromkeys(DecodeTiles(min(t.tile, plan.tile), t.num_stages) for t in fitting)
+    )
+    launch_with_fallback(
+        (q.device, "decode", q.dtype, head_dim, group_rows, plan.tile), candidates, launch
     )
     if write_partial:
         _combine_splits_kernel[(num_seqs, num_heads)](

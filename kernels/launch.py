@@ -42,12 +42,25 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# Every dimension of a `tl.dot` operand is padded to at least this: compiled Triton asks for
+# M, N, K >= 16 with 16-bit operands on NVIDIA GPUs (the interpreter accepts any size, so only a
+# compiled run would catch a smaller one).
+MIN_DOT_DIM = 16
+
+
+def dot_dim(n: int) -> int:
+    """`n` padded to a power of two that `tl.dot` accepts as a dimension."""
+    return max(MIN_DOT_DIM, next_power_of_2(n))
+
+
 def dot_operands(dtype: torch.dtype, kernel: object) -> tuple[object, str]:
     """(dtype `tl.dot` operands are converted to, input precision) for inputs of `dtype`.
 
-    fp32 products run in full precision (tf32 would cost ~3 decimal digits); 16-bit inputs use
-    the tensor cores as they are. Triton's interpreter multiplies bf16 operands as their raw
-    16-bit integers, so under it they are widened to fp32 first (exact: same products).
+    fp32 products run in full precision, "ieee" (tf32 would cost ~3 decimal digits). 16-bit
+    inputs go to the tensor cores as they are; input precision only chooses how fp32 operands
+    are rounded, so they get Triton's own default, "tf32", which every backend accepts. Triton's
+    interpreter multiplies bf16 operands as their raw 16-bit integers, so under it they are
+    widened to fp32 first (exact: same products); compiled kernels never widen.
     """
     widen = dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction)
     if dtype == torch.float32 or widen:

@@ -11,6 +11,8 @@ query rows of one sequence and one head and walks the keys BLOCK_N at a time, fr
 key its earliest row can see (0, or the window's start) to the end of its last row's prefix,
 with an online softmax in fp32. A tile may span several cache blocks: each key position looks
 its block up in the table. Programs past their sequence's query length write nothing.
+BLOCK_M, BLOCK_N and the pipeline depth come from kernels/tiles.py: the largest that fit the
+device's shared memory for this dtype and head dim, unless the caller names the tile sizes.
 """
 
 from __future__ import annotations
@@ -25,11 +27,17 @@ from kernels.launch import (
     check_index,
     check_paged_cache,
     check_rows,
+    dot_dim,
     dot_operands,
     kernel_runs_on,
-    next_power_of_2,
 )
 from kernels.reference import prefill_attention_reference
+from kernels.tiles import (
+    PrefillTiles,
+    device_shared_memory,
+    launch_with_fallback,
+    prefill_candidates,
+)
 
 
 @triton.jit
@@ -148,8 +156,8 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of every new token of every sequence over its cached prefix and its own chunk.
 
@@ -159,6 +167,8 @@ def prefill_attention(
     may start past 0: rows outside the spans are not touched); seq_lens [num_seqs] int32 (prefix
     plus chunk); max_query_len >= every query_start[i+1] - query_start[i] (host-side, sizes the
     grid). Returns `out` [tokens, num_heads, head_dim] (allocated when None).
+    block_m / block_n: tile sizes (powers of two >= 16); None picks the largest that fit the
+    device (kernels/tiles.py), stepping down if Triton refuses them.
     """
     check_paged_cache(key_cache, value_cache)
     _, num_kv_heads, block_size, head_dim = key_cache.shape
@@ -184,7 +194,7 @@ def prefill_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size < 16 or size & (size - 1):
+        if size is not None and (size < 16 or size & (size - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {size}")
     if num_seqs == 0 or max_query_len < 1:
         return out
@@ -194,34 +204,45 @@ def prefill_attention(
             sliding_window, out,
         )
     dot_dtype, precision = dot_operands(q.dtype, _prefill_attention_kernel)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
-    _prefill_attention_kernel[grid](
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start,
-        seq_lens,
-        out,
-        scale * LOG2_E,
-        sliding_window or NO_WINDOW,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=precision,
-        num_warps=4,
-        num_stages=2,
-    )
+
+    def launch(tiles: PrefillTiles) -> None:
+        grid = (num_seqs, triton.cdiv(max_query_len, tiles.block_m), num_heads)
+        _prefill_attention_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start,
+            seq_lens,
+            out,
+            scale * LOG2_E,
+            sliding_window or NO_WINDOW,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=dot_dim(head_dim),
+            BLOCK_SIZE=block_size,
+            BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n,
+            DOT_DTYPE=dot_dtype,
+            DOT_PRECISION=precision,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+
+    candidates = prefill_candidates(q.dtype, head_dim, device_shared_memory(q.device))
+    if block_m is None and block_n is None:
+        launch_with_fallback((q.device, "prefill", q.dtype, head_dim), candidates, launch)
+    else:
+        largest = candidates[0]
+        launch(
+            PrefillTiles(block_m or largest.block_m, block_n or largest.block_n, largest.num_stages)
+        )
     return out

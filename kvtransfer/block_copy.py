@@ -3,7 +3,9 @@
 A block's bytes for all layers are strided (one contiguous run per layer and key/value), so a
 copy per block moves 2 x layers runs; pairs whose source and destination ids both step by one
 merge into a run copied as one slice, which moves far longer contiguous runs. Every copy is one
-slice copy per run, with no gather into a temporary.
+slice copy per run, with no gather into a temporary: the CPU transports' path. On GPUs, where a
+copy per run is a launch (or a staged cross-device copy) per run, the transports gather each
+step's blocks at once instead (engine.kv_cache.BlockStaging, `run_block_ids`).
 
 On the CPU the copies go through numpy on byte views: one thread, GIL released, no OpenMP
 team. A torch copy here starts an intra-op team of its own from the transfer thread, which then
@@ -55,6 +57,13 @@ def split_runs(runs: list[BlockRun], max_blocks: int) -> list[list[BlockRun]]:
             offset += take
             room -= take
     return [group for group in groups if group]
+
+
+def run_block_ids(runs: list[BlockRun]) -> tuple[list[int], list[int]]:
+    """(source ids, destination ids) of every block of the runs, in run order."""
+    src_ids = [run.src_start + i for run in runs for i in range(run.length)]
+    dst_ids = [run.dst_start + i for run in runs for i in range(run.length)]
+    return src_ids, dst_ids
 
 
 def copy_block_runs(

@@ -24,11 +24,40 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--attention-backend", default="torch", help="torch (CPU) or triton (GPU)")
+    _device_args(parser)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     _prefix_cache_args(parser, default_min_blocks=2)
+
+
+def _device_args(parser: argparse.ArgumentParser) -> None:
+    """How a node uses its device (EngineConfig's attention_backend, cuda_graphs and
+    gpu_memory_utilization); None leaves the engine's default."""
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        help="auto (default: triton on CUDA, torch on the CPU), torch or triton",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs (default: decode steps replay them on CUDA with triton attention)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of each GPU's memory that the node processes on it hold together, in "
+        "equal shares (default 0.9)",
+    )
+
+
+def _check_device_args(args: argparse.Namespace) -> None:
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and not 0.0 < utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
 
 
 def _scheduling_args(parser: argparse.ArgumentParser) -> None:
@@ -94,8 +123,17 @@ def _failure_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="deadline of each stage of a request on a decode node: free KV blocks, the KV "
-        "transfer, the first token (default 30)",
+        help="a KV transfer's deadline, from its first block's write, and the deadline of "
+        "the first token after the KV arrived (default 30)",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long a request may wait on a decode node for free KV blocks, and then for "
+        "its prefill node to start on it (default 120; the router's --max-queue-delay "
+        "refuses work long before)",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -130,6 +168,15 @@ def _router_limit_args(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens of those requests before new ones get 429 (default 1048576)",
     )
     parser.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a request that would wait longer than this for its prefill (queued prompt "
+        "tokens / measured prefill speed, or the age of the oldest request still waiting) "
+        "gets 429 at once (default 30)",
+    )
+    parser.add_argument(
         "--stream-stall-timeout",
         type=float,
         default=None,
@@ -149,6 +196,11 @@ def _router_limit_args(parser: argparse.ArgumentParser) -> None:
 def _make_llm(args: argparse.Namespace):
     from engine import LLM
 
+    device_options = {"cuda_graphs": False} if args.enforce_eager else {}
+    if args.attention_backend is not None:
+        device_options["attention_backend"] = args.attention_backend
+    if args.gpu_memory_utilization is not None:
+        device_options["gpu_memory_utilization"] = args.gpu_memory_utilization
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -156,10 +208,10 @@ def _make_llm(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
-        attention_backend=args.attention_backend,
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_min_blocks=args.prefix_cache_min_blocks,
+        **device_options,
     )
 
 
@@ -220,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode need at least one node each")
-    for name in ("heartbeat_interval", "transfer_timeout"):
+    for name in ("heartbeat_interval", "transfer_timeout", "queue_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     if args.node_timeout is not None and args.node_timeout <= args.heartbeat_interval:
@@ -230,6 +282,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if args.drain_timeout < 0:
         raise ValueError("--drain-timeout must be 0 or more")
+    _check_device_args(args)
     check_cluster_settings(args)
     return serve(args)
 
@@ -298,13 +351,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm)",
     )
     serve.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
+    serve.add_argument(
+        "--load-format",
+        default=None,
+        choices=("auto", "dummy"),
+        help="auto (default: the folder's *.safetensors) or dummy (random weights from "
+        "config.json; the router still needs the folder's tokenizer)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
-    serve.add_argument("--attention-backend", default=None, help="torch (CPU) or triton (GPU)")
+    _device_args(serve)
     _prefix_cache_args(serve, default_min_blocks=None)
     _scheduling_args(serve)
     serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))

@@ -1,12 +1,22 @@
 """Starts a serving deployment as processes: one node per role and device, plus the router.
 
 Disaggregated (the default): `--prefill N` prefill-node processes and `--decode M` decode-node
-processes (on a GPU host one per GPU, each with its own CUDA_VISIBLE_DEVICES; on a CPU host
-each with `--threads-per-node` threads), KV moved over shm between CPU processes or CUDA IPC
-between GPUs (`--kv-transport` overrides). Colocated (`--colocated`): one `decode_node`
-process that prefills and decodes. Either way one `router` process, wired over ZeroMQ on free
-loopback ports. The launcher waits until the router's
-/health answers 200 and prints the URL; a process that exits before then stops everything.
+processes (on a CPU host each with `--threads-per-node` threads), KV moved over shm between CPU
+processes or CUDA IPC between GPUs (`--kv-transport` overrides). Colocated (`--colocated`): one
+`decode_node` process that prefills and decodes. Either way one `router` process, wired over
+ZeroMQ on free loopback ports. The launcher waits until the router's /health answers 200 and
+prints the URL; a process that exits before then stops everything.
+
+Devices, on a GPU host: the GPUs the launcher may use are the entries of its own
+CUDA_VISIBLE_DEVICES (indices or GPU-/MIG- UUIDs, as the operator wrote them), else every GPU.
+Node i (prefill nodes first, then decode nodes) runs on the (i mod count)-th of them, so nodes
+outnumbering GPUs share them. A node's own GPU comes first in its CUDA_VISIBLE_DEVICES: it is
+cuda:0 there, the device a node uses by default. Under cuda_ipc a node must also see its peers'
+GPUs (the prefill node opens each decode node's KV buffer on that node's GPU, found by UUID),
+so every node's list holds every GPU the deployment uses, its own first; under the other
+transports it holds its own GPU alone. Each node gets `--processes-on-device` (how many nodes
+share its GPU) and the operator's `--gpu-memory-utilization` (default 0.9), which those nodes
+share equally (engine/memory_budget.py).
 
 Then it supervises (pdserve/supervisor.py): a node that exits is restarted with the same node id
 and address (`--no-restart-nodes`: the deployment serves on without it) and rejoins the router
@@ -34,7 +44,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.supervisor import Deployment
@@ -43,6 +53,7 @@ READY_TIMEOUT_S = 600.0
 ROUTER_LIMITS = (
     "max_queued_requests",
     "max_queued_tokens",
+    "max_queue_delay",
     "stream_stall_timeout",
     "max_stream_buffer_tokens",
 )
@@ -63,6 +74,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "kv_cache_memory",
         "prefix_cache_min_blocks",
         "attention_backend",
+        "load_format",
+        "gpu_memory_utilization",
         "preemption_mode",
         "swap_space",
         "admission",
@@ -73,6 +86,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if not args.enable_prefix_caching:
         flags.append("--no-enable-prefix-caching")
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     if args.priority_aging_s is not None:
         flags += ["--priority-aging-seconds", str(args.priority_aging_s)]
     return flags
@@ -125,12 +140,48 @@ def choose_kv_transport(requested: str) -> str:
     return "cuda_ipc" if torch.cuda.is_available() else "shm"
 
 
+@dataclass(frozen=True)
+class DevicePlacement:
+    """One node's GPU: the CUDA_VISIBLE_DEVICES entries it sees, its own first, and how many
+    nodes of the deployment run on its GPU."""
+
+    visible_devices: tuple[str, ...]
+    processes_on_device: int
+
+
+def launcher_gpus(environ: Mapping[str, str], device_count: int) -> list[str]:
+    """The GPUs the launcher may hand out, as CUDA_VISIBLE_DEVICES entries: the launcher's own
+    CUDA_VISIBLE_DEVICES (indices or UUIDs) when it is set, else 0..device_count-1. Only the
+    first `device_count` entries count: CUDA ignores every entry from the first it cannot use."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(index) for index in range(device_count)]
+    entries = [entry.strip() for entry in listed.split(",")]
+    return [entry for entry in entries if entry][:device_count]
+
+
+def place_on_gpus(num_nodes: int, gpus: list[str], see_every_gpu: bool) -> list[DevicePlacement]:
+    """Node i runs on gpus[i mod len(gpus)]. With `see_every_gpu` (cuda_ipc) each node also
+    sees every other GPU a node of the deployment runs on, after its own."""
+    if not gpus:
+        raise ValueError("no GPU to place nodes on")
+    own = [gpus[index % len(gpus)] for index in range(num_nodes)]
+    used = gpus[: min(num_nodes, len(gpus))]
+    placements = []
+    for device in own:
+        others = [other for other in used if other != device] if see_every_gpu else []
+        placements.append(DevicePlacement((device, *others), own.count(device)))
+    return placements
+
+
 def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> list[NodePlan]:
-    """One process per node; on a GPU host each gets its own device (CUDA_VISIBLE_DEVICES), on
-    a CPU host an equal share of the cores unless `--threads-per-node` says otherwise."""
+    """One process per node; on a GPU host each runs on one GPU (see the module docstring for
+    which and what else it sees), on a CPU host on an equal share of the cores unless
+    `--threads-per-node` says otherwise."""
     python = sys.executable
     common = ["--model", model, "--router", router_address, *_engine_flags(args)]
     common += ["--heartbeat-interval", str(args.heartbeat_interval)]
+    transport = None
     if args.colocated:
         roles = [("colocated", "decode_node", ["--role", "colocated"])]
     else:
@@ -138,8 +189,10 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
         roles = [("prefill", "prefill_node", ["--kv-transport", transport])] * args.prefill
         decode_flags = ["--role", "decode", "--kv-transport", transport]
         decode_flags += ["--transfer-timeout", str(args.transfer_timeout)]
+        decode_flags += ["--queue-timeout", str(args.queue_timeout)]
         roles += [("decode", "decode_node", decode_flags)] * args.decode
-    gpus = _gpu_count()
+    gpus = launcher_gpus(os.environ, _gpu_count())
+    placements = place_on_gpus(len(roles), gpus, transport == "cuda_ipc") if gpus else None
     threads = args.threads_per_node
     if threads is None and not gpus:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -153,7 +206,11 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
         counts[role] += 1
         address = f"tcp://127.0.0.1:{free_port()}"
         argv = [python, "-m", module, "--node-id", node_id, "--listen", address, *common, *flags]
-        env = {"CUDA_VISIBLE_DEVICES": str(index % gpus)} if gpus else {}
+        env = {}
+        if placements is not None:
+            placement = placements[index]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.visible_devices)
+            argv += ["--processes-on-device", str(placement.processes_on_device)]
         plans.append(NodePlan(node_id, argv, address, env))
     return plans
 

@@ -23,12 +23,16 @@ def onednn_packing_available(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    """`dtype` None is torch's default dtype; the weight is left uninitialized (it is loaded)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +73,14 @@ class Linear(nn.Module):
 class FusedLinear(Linear):
     """Several HF projections stacked along the output (q|k|v, gate|up): one matmul for all."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias)
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias, dtype)
         self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)]
 
     @property

@@ -46,7 +46,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_table", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_table", emb.sin() * scaling, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token [T, 1, head_dim] tables, computed once per step and shared by all layers."""
         cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)

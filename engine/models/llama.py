@@ -32,7 +32,9 @@ _FUSED_SHARDS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = config.num_heads
@@ -41,11 +43,12 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias
+            config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias, dtype=dtype
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, dtype) if config.qk_norm else None
         self.qk_size = q_size + kv_size
 
     def forward(
@@ -70,13 +73,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = FusedLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias, dtype=dtype
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.down_proj = Linear(
+            config.intermediate_size, config.hidden_size, config.mlp_bias, dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -84,12 +89,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, hidden, cos, sin, backend, metadata) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, backend, metadata)
@@ -97,15 +104,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype | None = None
+    ) -> None:
+        """Every parameter is created in `dtype` (None: torch's default) on the current device,
+        so a 16-bit model never exists in fp32; the rope tables stay fp32."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions)
         # Tied or not, the head keeps its own weight, packed for its kernel (layers/linear.py).
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     def forward(
         self,
@@ -169,6 +182,21 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
+        self._pack_linears()
+
+    def load_random_weights(self, generator: torch.Generator, std: float) -> None:
+        """Dummy weights (load format "dummy"): every matrix and the embedding drawn from
+        N(0, std) with `generator`, in parameter order; norms are ones and biases zeros, as
+        built; a tied head gets a copy of the embedding."""
+        tied = self.config.tie_word_embeddings
+        for name, param in self.named_parameters():
+            if param.dim() > 1 and not (tied and name == "lm_head.weight"):
+                param.data.normal_(0.0, std, generator=generator)
+        if tied:
+            self.lm_head.load("weight", self.embed_tokens.weight.data)
+        self._pack_linears()
+
+    def _pack_linears(self) -> None:
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

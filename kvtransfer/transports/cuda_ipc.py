@@ -1,20 +1,30 @@
 """cuda_ipc: one host, GPUs. The decode node shares its GPU KV buffer by a CUDA IPC handle; the
 prefill node opens it and copies device-to-device on a side stream that first waits for the
-compute stream as it was when `write` was called. After a write's last step it records an event
-on the side stream and waits for it before sending Written, so Written always follows the bytes.
+compute stream as it was when `write` was called. Each step is one gather of its blocks, one
+copy (a peer copy when the decode node's GPU is another), one scatter into the target blocks
+(engine.kv_cache.BlockStaging). After a write's last step it records an event on the side
+streams and waits for it before sending Written, so Written always follows the bytes.
+
+A CUDA IPC handle covers a cudaMalloc allocation. PyTorch's expandable segments
+(`expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF) map memory with
+the virtual memory API instead, which such a handle cannot share with an unrelated process, so
+the decode node refuses that setting when it allocates and registers its buffer.
 
 Both processes must see the decode node's GPU; it is found by its UUID, not its index (each
-process may number devices differently). The decode node keeps the buffer alive until exit.
+process numbers devices differently: `pdserve serve` lists a node's own GPU first, then its
+peers', in its CUDA_VISIBLE_DEVICES; pdserve/launcher.py). The decode node keeps the buffer
+alive until exit.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.block_copy import copy_block_runs
+from engine.kv_cache import BlockStaging, KVCache, KVCacheSpec
+from kvtransfer.block_copy import run_block_ids
 from kvtransfer.descriptor import KVDescriptor
 from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
 
@@ -32,13 +42,44 @@ def device_identity(device: torch.device) -> str:
 
 
 def local_index_of(identity: str) -> int:
-    for index in range(torch.cuda.device_count()):
-        if device_identity(torch.device("cuda", index)) == identity:
-            return index
+    """This process's index of the GPU with `identity` (device_identity's); RuntimeError naming
+    what this process sees when it is not visible here."""
+    visible = [device_identity(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+    if identity in visible:
+        return visible.index(identity)
     raise RuntimeError(
-        f"the decode node's GPU {identity} is not visible to this process; cuda_ipc needs both "
-        "nodes to see it (check CUDA_VISIBLE_DEVICES)"
+        f"the decode node's GPU {identity} is not visible to this process, which sees "
+        f"{visible or 'no GPU'} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r});"
+        " cuda_ipc needs the prefill node to see every decode node's GPU"
     )
+
+
+ALLOCATOR_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments_setting(environ: dict[str, str] | None = None) -> str | None:
+    """`NAME=value` of the allocator setting that turns expandable segments on, or None."""
+    environ = os.environ if environ is None else environ
+    for name in ALLOCATOR_SETTINGS:
+        value = environ.get(name, "")
+        for option in value.split(","):
+            key, _, setting = option.partition(":")
+            if key.strip() == "expandable_segments" and setting.strip().lower() == "true":
+                return f"{name}={value}"
+    return None
+
+
+def check_shareable_allocator(environ: dict[str, str] | None = None) -> None:
+    """ValueError when this process's CUDA allocator makes memory a CUDA IPC handle cannot
+    share with another process."""
+    setting = expandable_segments_setting(environ)
+    if setting is not None:
+        raise ValueError(
+            f"the cuda_ipc KV transport cannot share a KV buffer allocated with PyTorch's "
+            f"expandable segments ({setting!r} in the decode node's environment): CUDA IPC "
+            "handles cover only cudaMalloc allocations. Remove expandable_segments:True for "
+            "the decode node, or choose another KV transport (--kv-transport zmq)"
+        )
 
 
 class CudaIpcReceiverTransport(ReceiverTransport):
@@ -50,12 +91,14 @@ class CudaIpcReceiverTransport(ReceiverTransport):
     ) -> KVCache:
         if device.type != "cuda":
             raise ValueError(f"the cuda_ipc KV transport needs a CUDA device, not {device}")
+        check_shareable_allocator()
         return KVCache(spec, num_blocks, device)
 
     def export(self, kv_cache: KVCache) -> dict[str, Any]:
         buffer = kv_cache.buffer
         if buffer.device.type != "cuda" or not buffer.is_contiguous():
             raise ValueError("the cuda_ipc KV transport shares a contiguous CUDA buffer")
+        check_shareable_allocator()
         torch.cuda.synchronize(buffer.device)
         (
             _device_index, handle, storage_bytes, storage_offset_bytes, ref_counter_handle,
@@ -82,6 +125,8 @@ class CudaIpcSenderTransport(SenderTransport):
         self._local: torch.Tensor | None = None
         self._remote: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._remote_stream: torch.cuda.Stream | None = None
+        self._staging = BlockStaging()
 
     def attach(self, descriptor: KVDescriptor, kv_cache: KVCache) -> None:
         local = kv_cache.buffer
@@ -106,6 +151,8 @@ class CudaIpcSenderTransport(SenderTransport):
         )
         self._local = local
         self._stream = torch.cuda.Stream(device=local.device)
+        if self._remote.device != local.device:
+            self._remote_stream = torch.cuda.Stream(device=self._remote.device)
 
     def on_write(self) -> torch.cuda.Event:
         """The compute stream's position now: the side stream waits for it before copying."""
@@ -115,20 +162,31 @@ class CudaIpcSenderTransport(SenderTransport):
 
     def run_step(self, step: WriteStep, ready: object | None) -> Outgoing:
         layers = slice(step.layer_start, step.layer_end)
+        src_ids, dst_ids = run_block_ids(step.runs)
         with torch.cuda.stream(self._stream):
             if isinstance(ready, torch.cuda.Event):
                 self._stream.wait_event(ready)
-            copy_block_runs(self._remote[layers], self._local[layers], step.runs, non_blocking=True)
+            if self._remote_stream is None:
+                self._staging.copy(self._remote[layers], dst_ids, self._local[layers], src_ids)
+            else:  # the scatter runs on the decode GPU, on a side stream of its own
+                with torch.cuda.stream(self._remote_stream):
+                    self._staging.copy(
+                        self._remote[layers], dst_ids, self._local[layers], src_ids
+                    )
         return Outgoing()
 
     def finish_write(self, ready: object | None) -> None:
-        done = torch.cuda.Event()
-        done.record(self._stream)
-        done.synchronize()
+        for stream in (self._stream, self._remote_stream):
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+                done.synchronize()
 
     def close(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        for stream in (self._stream, self._remote_stream):
+            if stream is not None:
+                stream.synchronize()
         self._remote = None
         self._local = None
         self._stream = None
+        self._remote_stream = None

@@ -1,0 +1,134 @@
+"""Which GPUs `pdserve serve` gives each node, on a CPU machine with the device count and the
+launcher's CUDA_VISIBLE_DEVICES mocked: nodes take the launcher's visible GPUs in order
+(wrapping when they outnumber them), each node's own GPU comes first, and under cuda_ipc the
+prefill node sees the decode node's GPU, so `local_index_of` finds it there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.node_cli import engine_config, node_parser
+from kvtransfer.transports import cuda_ipc
+from pdserve.cli import build_parser
+from pdserve.launcher import launcher_gpus, place_on_gpus, plan_nodes
+
+
+def fake_gpus(monkeypatch, count: int, visible: str | None) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+
+def plan(*flags: str):
+    args = build_parser().parse_args(["serve", "--model", "m", *flags])
+    return plan_nodes(args, "m", "tcp://127.0.0.1:1")
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def visible_in(node) -> list[str]:
+    return node.env["CUDA_VISIBLE_DEVICES"].split(",")
+
+
+def child_view(monkeypatch, visible: list[str]) -> None:
+    """torch.cuda as a child started with CUDA_VISIBLE_DEVICES=`visible` sees it: device i is
+    the i-th entry, whose identity is the entry itself."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(cuda_ipc, "device_identity", lambda device: visible[device.index])
+
+
+def test_the_launchers_visible_uuids_map_one_node_to_each_in_order(monkeypatch):
+    fake_gpus(monkeypatch, 2, "GPU-aaaa, GPU-bbbb")
+    prefill, decode = plan()  # auto transport on CUDA: cuda_ipc
+    assert flag_value(prefill.argv, "--kv-transport") == "cuda_ipc"
+    assert visible_in(prefill) == ["GPU-aaaa", "GPU-bbbb"]
+    assert visible_in(decode) == ["GPU-bbbb", "GPU-aaaa"]
+    assert flag_value(prefill.argv, "--processes-on-device") == "1"
+    assert flag_value(decode.argv, "--processes-on-device") == "1"
+
+
+def test_under_cuda_ipc_the_prefill_node_finds_the_decode_nodes_gpu(monkeypatch):
+    fake_gpus(monkeypatch, 4, "3,1,0,2")
+    prefill, decode = plan("--kv-transport", "cuda_ipc")
+    decode_gpu = visible_in(decode)[0]
+    assert (visible_in(prefill)[0], decode_gpu) == ("3", "1")
+    child_view(monkeypatch, visible_in(prefill))
+    assert cuda_ipc.local_index_of(decode_gpu) == 1
+    child_view(monkeypatch, visible_in(decode))
+    assert cuda_ipc.local_index_of(decode_gpu) == 0  # where the decode node allocates
+
+
+def test_other_transports_give_each_node_its_own_gpu_alone(monkeypatch):
+    fake_gpus(monkeypatch, 2, None)
+    prefill, decode = plan("--kv-transport", "zmq")
+    assert (visible_in(prefill), visible_in(decode)) == (["0"], ["1"])
+    child_view(monkeypatch, visible_in(prefill))
+    with pytest.raises(RuntimeError, match=r"GPU 1 is not visible to this process, which sees "
+                                           r"\['0'\] \(CUDA_VISIBLE_DEVICES="):
+        cuda_ipc.local_index_of("1")
+
+
+def test_nodes_outnumbering_gpus_wrap_and_count_who_shares_each(monkeypatch):
+    fake_gpus(monkeypatch, 2, None)
+    nodes = plan("--prefill", "2", "--decode", "3", "--kv-transport", "cuda_ipc")
+    assert [visible_in(n)[0] for n in nodes] == ["0", "1", "0", "1", "0"]
+    assert [flag_value(n.argv, "--processes-on-device") for n in nodes] == list("32323")
+    assert all(sorted(visible_in(n)) == ["0", "1"] for n in nodes)
+
+
+def test_one_gpu_is_shared_by_a_prefill_and_a_decode_node(monkeypatch):
+    fake_gpus(monkeypatch, 1, "GPU-only")
+    prefill, decode = plan("--gpu-memory-utilization", "0.8")
+    assert visible_in(prefill) == visible_in(decode) == ["GPU-only"]
+    for node in (prefill, decode):
+        assert flag_value(node.argv, "--processes-on-device") == "2"
+        assert flag_value(node.argv, "--gpu-memory-utilization") == "0.8"
+
+
+def test_a_node_sees_only_the_gpus_some_node_uses(monkeypatch):
+    fake_gpus(monkeypatch, 8, None)
+    prefill, decode = plan("--kv-transport", "cuda_ipc")
+    assert (visible_in(prefill), visible_in(decode)) == (["0", "1"], ["1", "0"])
+
+
+def test_colocated_node_gets_the_first_visible_gpu(monkeypatch):
+    fake_gpus(monkeypatch, 2, "5,6")
+    (node,) = plan("--colocated")
+    assert visible_in(node) == ["5"]
+    assert flag_value(node.argv, "--processes-on-device") == "1"
+
+
+def test_cpu_host_sets_no_device(monkeypatch):
+    fake_gpus(monkeypatch, 0, None)
+    for node in plan():
+        assert "CUDA_VISIBLE_DEVICES" not in node.env
+        assert "--processes-on-device" not in node.argv
+        assert flag_value(node.argv, "--kv-transport") == "shm"
+
+
+def test_launcher_gpus_follow_what_cuda_would_use():
+    assert launcher_gpus({}, 3) == ["0", "1", "2"]
+    assert launcher_gpus({"CUDA_VISIBLE_DEVICES": "2,0,7"}, 2) == ["2", "0"]
+    assert launcher_gpus({"CUDA_VISIBLE_DEVICES": "MIG-x"}, 1) == ["MIG-x"]
+    assert launcher_gpus({"CUDA_VISIBLE_DEVICES": ""}, 0) == []
+    with pytest.raises(ValueError, match="no GPU"):
+        place_on_gpus(2, [], see_every_gpu=False)
+
+
+def test_serve_device_flags_reach_each_nodes_engine_config(monkeypatch):
+    fake_gpus(monkeypatch, 1, None)
+    nodes = plan("--attention-backend", "triton", "--enforce-eager",
+                 "--gpu-memory-utilization", "0.7", "--load-format", "dummy")
+    for node in nodes:
+        flags = node.argv[3:]  # after: python -m MODULE
+        args, _role_flags = node_parser("node", "").parse_known_args(flags)
+        config = engine_config(args)
+        assert (config.attention_backend, config.cuda_graphs) == ("triton", False)
+        assert (config.gpu_memory_utilization, config.processes_on_device) == (0.7, 2)
+        assert config.load_format == "dummy"
