@@ -283,7 +283,7 @@ class NodeClient:
         if entry is not None and not entry.started:
             entry.started = True  # no token can reach the client any more
             if entry.queued_at is not None:
-                self.prompt_queues.remove(entry.queued_at, request_id)
+                self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
             if entry.wire_id is not None:
                 self._client_ids.pop(entry.wire_id, None)
         return entry
@@ -304,7 +304,7 @@ class NodeClient:
         if entry.prefill is not None:
             entry.failed_prefills.add(entry.prefill.address)
         if entry.queued_at is not None:
-            self.prompt_queues.remove(entry.queued_at, request_id)
+            self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
         node = self.live_node()
         if not entry.started and entry.attempts <= self.max_retries and node is not None:
             wire_id = f"{request_id}~{entry.attempts}"

@@ -10,12 +10,15 @@ A new request's predicted queue delay at a node is the larger of
               every bottleneck the backlog term cannot see (no free decode blocks, a slow or
               stalled node): once the oldest waiter is older than the bound, new requests are
               refused until the queue moves again.
-The drain speed is what the router observes: prompt tokens of the requests that started per
-second while the node's queue stayed non-empty, over windows of at least `MIN_WINDOW_S`, as an
-exponential moving average; it includes every cost on the way to the first token (scheduling,
-transfers, a busy host). Until a window has been observed it is the prefill speed the node
-measured itself (NodeStats `prefill_tokens_per_s`, from its warm-up and its steps; 0 = not
-known, and then the backlog term is 0).
+The drain speed is what the router observes (`DrainMeter`): prompt tokens of the requests
+that started per second of time the node's queue was not empty, over the last
+`DRAIN_HORIZON_S` seconds of such time. It includes every cost on the way to the first token
+(scheduling, transfers, a busy host) and averages over the clusters in which a batched prefill
+step starts many requests at once; idle time is no evidence and does not count. Until it has
+seen `MIN_DRAIN_TOKENS` start over `MIN_DRAIN_S` of busy time (a few short requests measure
+their latency, not the node's throughput), the speed is the one the node measured itself
+(NodeStats `prefill_tokens_per_s`, from its warm-up and its steps; 0 = not known, and then the
+backlog term is 0).
 `NodeClient.submit` refuses (429) a request whose predicted delay exceeds `max_queue_delay_s`,
 before anything is sent, so under any burst a client is told no at once instead of after a
 deadline; a request into an empty queue is always admitted (a single long prompt is not
@@ -24,13 +27,14 @@ overload). Retries of admitted requests are not judged again.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from router.node_registry import NodeState
 
-MIN_WINDOW_S = 0.25
-SMOOTHING = 0.3
+DRAIN_HORIZON_S = 10.0
+MIN_DRAIN_S = 0.5
+MIN_DRAIN_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -50,46 +54,72 @@ class QueueDelay:
         )
 
 
+class DrainMeter:
+    """Prompt tokens started per second of busy time, over the last `DRAIN_HORIZON_S` seconds
+    of busy time. The span is measured from a start event to now, so the requests one batched
+    step starts together are counted with the whole time that step took."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self._events: deque[tuple[float, int]] = deque([(0.0, 0)])  # (busy_s then, tokens)
+        self._tokens_after_first = 0
+
+    def advance(self, busy_s: float) -> None:
+        """`busy_s` more seconds passed with requests waiting."""
+        self.busy_s += busy_s
+
+    def count(self, num_tokens: int) -> None:
+        """A request of `num_tokens` prompt tokens started now."""
+        self._events.append((self.busy_s, num_tokens))
+        self._tokens_after_first += num_tokens
+        horizon_start = self.busy_s - DRAIN_HORIZON_S
+        while len(self._events) > 2 and self._events[1][0] <= horizon_start:
+            self._events.popleft()
+            self._tokens_after_first -= self._events[0][1]
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        span_s = self.busy_s - self._events[0][0]
+        if span_s < MIN_DRAIN_S or self._tokens_after_first < MIN_DRAIN_TOKENS:
+            return None
+        return self._tokens_after_first / span_s
+
+
 class PromptQueues:
     """Per computing node: request id -> (uncached prompt tokens, time sent), oldest first,
-    and the node's observed drain speed."""
+    and the node's `DrainMeter`. Every change says when it happened (`now`), so the meters
+    count the time each queue was not empty."""
 
     def __init__(self) -> None:
         self._queues: dict[str, OrderedDict[str, tuple[int, float]]] = {}
         self._tokens: dict[str, int] = {}
-        self._windows: dict[str, tuple[float, int]] = {}  # window start, tokens drained since
-        self._drain_speed: dict[str, float] = {}
+        self._meters: dict[str, DrainMeter] = {}
+        self._last_change: dict[str, float] = {}
 
     def add(self, node: NodeState, request_id: str, num_tokens: int, now: float) -> None:
-        queue = self._queues.setdefault(node.address, OrderedDict())
-        if not queue:
-            self._windows[node.address] = (now, 0)
-        queue[request_id] = (num_tokens, now)
+        self._advance(node, now)
+        self._queues.setdefault(node.address, OrderedDict())[request_id] = (num_tokens, now)
         self._tokens[node.address] = self._tokens.get(node.address, 0) + num_tokens
 
     def started(self, node: NodeState, request_id: str, now: float) -> None:
         """The request's first token came back: its prompt was computed (idempotent)."""
+        self._advance(node, now)
         num_tokens = self._pop(node, request_id)
-        window = self._windows.get(node.address)
-        if num_tokens is None or window is None:
-            return
-        window_start, drained = window[0], window[1] + num_tokens
-        if now - window_start >= MIN_WINDOW_S:
-            measured = drained / (now - window_start)
-            previous = self._drain_speed.get(node.address)
-            self._drain_speed[node.address] = (
-                measured if previous is None else SMOOTHING * measured + (1 - SMOOTHING) * previous
-            )
-            window_start, drained = now, 0
-        self._windows[node.address] = (window_start, drained)
-        if not self._queues[node.address]:
-            del self._windows[node.address]  # idle time is no evidence of speed
+        if num_tokens is not None:
+            self._meters.setdefault(node.address, DrainMeter()).count(num_tokens)
 
-    def remove(self, node: NodeState, request_id: str) -> None:
-        """The request failed or was aborted before it started (idempotent)."""
+    def remove(self, node: NodeState, request_id: str, now: float) -> None:
+        """The request failed or was aborted before it started (idempotent): no evidence of
+        speed either way."""
+        self._advance(node, now)
         self._pop(node, request_id)
-        if not self._queues.get(node.address):
-            self._windows.pop(node.address, None)
+
+    def _advance(self, node: NodeState, now: float) -> None:
+        """Counts the time since the queue's last change, if it was not empty meanwhile."""
+        last = self._last_change.get(node.address)
+        self._last_change[node.address] = now
+        if last is not None and self._queues.get(node.address) and now > last:
+            self._meters.setdefault(node.address, DrainMeter()).advance(now - last)
 
     def _pop(self, node: NodeState, request_id: str) -> int | None:
         queue = self._queues.get(node.address)
@@ -100,10 +130,10 @@ class PromptQueues:
         return entry[0]
 
     def forget(self, node: NodeState) -> None:
-        """The node went down or restarted: its queue is gone (its speed is kept)."""
+        """The node went down or restarted: its queue is gone (its meter is kept)."""
         self._queues.pop(node.address, None)
         self._tokens.pop(node.address, None)
-        self._windows.pop(node.address, None)
+        self._last_change.pop(node.address, None)
 
     def tokens(self, node: NodeState) -> int:
         return self._tokens.get(node.address, 0)
@@ -113,7 +143,8 @@ class PromptQueues:
 
     def speed(self, node: NodeState) -> float:
         """Prompt tokens per second the node's queue drains at (0.0: not known)."""
-        observed = self._drain_speed.get(node.address)
+        meter = self._meters.get(node.address)
+        observed = meter.tokens_per_s if meter is not None else None
         if observed is not None:
             return observed
         return node.stats.prefill_tokens_per_s if node.stats is not None else 0.0

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.__main__ import parse_args
 from router.admission import AdmissionQueue
@@ -77,6 +79,17 @@ def test_the_admission_queue_bounds_requests_and_prompt_tokens():
     assert parse_args([*old_flag, "--max-waiting-requests", "7"])[0].max_queued_requests == 7
 
 
+async def queued_requests(cluster: Cluster) -> float:
+    """The router's gauge of requests admitted and not started yet, read without blocking."""
+    text = (await http(cluster.port, "/metrics")).body.decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pdserve_router_queued_requests"
+    )
+
+
 def assert_openai_error(reply, status: int, kind: str) -> dict:
     assert reply.status == status, reply
     error = reply.json()["error"]
@@ -128,7 +141,10 @@ def test_a_request_larger_than_the_kv_cache_is_refused_at_once_and_the_queue_flo
             asyncio.create_task(http(cluster.port, "/v1/completions", completion(p, n, i % 2 == 1)))
             for i, (p, n) in enumerate(QUEUED)  # 19 blocks each: two at a time fit
         ]
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while await queued_requests(cluster) < 4:  # two hold the decode blocks, the rest wait
+            assert time.monotonic() < deadline, "the requests never queued for KV blocks"
+            await asyncio.sleep(0.05)
         refused = await asyncio.gather(
             http(cluster.port, "/v1/completions", too_long_for_decode),
             http(cluster.port, "/v1/completions", {**too_long_for_decode, "stream": True}),

@@ -15,7 +15,7 @@ from engine.protocol import RequestFailed, TokenBatch, TokenUpdate
 from router.errors import APIError
 from router.node_client import NodeClient
 from router.node_registry import NodeState
-from router.queue_delay import MIN_WINDOW_S, PromptQueues
+from router.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
 from tests.test_router_failover import FakeSocket, generates, stats
 
 PROMPT = list(range(100))  # 100 uncached tokens each
@@ -43,34 +43,55 @@ def test_the_oldest_waiter_bounds_the_delay_when_the_speed_is_unknown():
     delay = queues.delay(p, 10, now=7.0)
     assert delay.seconds == pytest.approx(7.0) and delay.oldest_age_s == pytest.approx(7.0)
     assert "has waited 7.0 s" in delay.describe(p)
-    queues.remove(p, "a")
+    queues.remove(p, "a", now=7.0)
     assert queues.delay(p, 10, now=7.0).seconds == pytest.approx(4.0)
 
 
 def test_the_observed_drain_speed_replaces_the_nodes_own_measurement():
     queues, p = PromptQueues(), node(speed=50_000)  # a forward pass alone looks fast
+    tokens = MIN_DRAIN_TOKENS
     for i in range(10):
-        queues.add(p, f"r{i}", 100, now=0.0)
-    queues.started(p, "r0", now=0.1)  # inside the first window: no sample yet
+        queues.add(p, f"r{i}", tokens, now=0.0)
+    queues.started(p, "r0", now=0.1)  # too little seen yet
     assert queues.speed(p) == 50_000
-    queues.started(p, "r1", now=0.5)  # 200 tokens in 0.5 s
-    assert queues.speed(p) == pytest.approx(400)
-    queues.remove(p, "r2")  # an abort is no evidence of speed
-    queues.started(p, "r3", now=0.5 + MIN_WINDOW_S)  # 100 tokens in the next window
-    assert queues.speed(p) == pytest.approx(0.3 * 100 / MIN_WINDOW_S + 0.7 * 400)
-    assert queues.tokens(p) == 600 and len(queues) == 6
+    queues.remove(p, "r2", now=0.5)  # an abort is no evidence of speed
+    queues.started(p, "r1", now=1.0)  # two prompts in one busy second
+    assert queues.speed(p) == pytest.approx(2 * tokens / 1.0, rel=0.06)
+    assert queues.tokens(p) == 7 * tokens and len(queues) == 7
     queues.forget(p)
     assert queues.tokens(p) == 0 and len(queues) == 0
-    assert queues.speed(p) == pytest.approx(0.3 * 100 / MIN_WINDOW_S + 0.7 * 400)
+    assert queues.speed(p) == pytest.approx(2 * tokens / 1.0, rel=0.06)
+
+
+def test_a_batched_prefill_that_starts_requests_in_clusters_is_averaged():
+    """14 prompts of 140 tokens start together every 3.4 s (one prefill step of 2,048
+    tokens): the speed is 14 x 140 / 3.4 tokens/s, not the rate inside a cluster."""
+    queues, p = PromptQueues(), node(speed=50_000)
+    for i in range(14 * 6):
+        queues.add(p, f"r{i}", 140, now=0.0)
+    for step in range(6):
+        for i in range(14):
+            queues.started(p, f"r{14 * step + i}", now=3.4 * (step + 1) + 0.001 * i)
+        if step >= 1:
+            assert queues.speed(p) == pytest.approx(14 * 140 / 3.4, rel=0.1)
+
+
+def test_a_few_short_requests_measure_no_speed():
+    queues, p = PromptQueues(), node(speed=2_000)
+    queues.add(p, "a", 10, now=0.0)
+    queues.add(p, "b", 10, now=0.0)
+    queues.started(p, "a", now=0.8)  # latency-bound: 20 tokens in 0.9 s say nothing
+    queues.started(p, "b", now=0.9)
+    assert queues.speed(p) == 2_000
 
 
 def test_idle_time_between_requests_is_not_counted_as_slowness():
     queues, p = PromptQueues(), node()
-    queues.add(p, "a", 100, now=0.0)
-    queues.started(p, "a", now=0.1)  # the queue empties: the window closes unmeasured
-    queues.add(p, "b", 100, now=10.0)
-    queues.started(p, "b", now=10.3)
-    assert queues.speed(p) == pytest.approx(100 / 0.3)
+    queues.add(p, "a", MIN_DRAIN_TOKENS, now=0.0)
+    queues.started(p, "a", now=0.5)  # the queue empties until t = 10
+    queues.add(p, "b", MIN_DRAIN_TOKENS, now=10.0)
+    queues.started(p, "b", now=10.5)
+    assert queues.speed(p) == pytest.approx(2 * MIN_DRAIN_TOKENS / 1.0, rel=0.06)
 
 
 def client_with(*roles: str, max_queue_delay_s: float = 2.0):
