@@ -39,7 +39,7 @@ bench: install
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
 
-# The GPU check (README, "GPU check"): `make gpu-wheels` where pip reaches an index, then
+# The GPU check (README, "GPU check"; docs/operations.md): `make gpu-wheels` where pip reaches an index, then
 # `make gpu-check` on the GPU machine, offline. The wheels are what that machine (Python 3.12,
 # x86_64) lacks; they travel with the checkout in an ignored folder, kept under 32 MiB.
 GPU_WHEELS := .gpu-wheels

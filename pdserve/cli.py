@@ -103,7 +103,7 @@ def _prefix_cache_args(parser: argparse.ArgumentParser, default_min_blocks: int 
 
 
 def _failure_args(parser: argparse.ArgumentParser) -> None:
-    """Deadlines of failure handling (README, "Failure handling")."""
+    """Deadlines of failure handling (docs/failure-handling.md)."""
     parser.add_argument(
         "--heartbeat-interval",
         type=float,
