@@ -199,7 +199,7 @@ class NodeClient:
         entry = InFlight(queue if queue is not None else asyncio.Queue(), node, request=request)
         prefill, computing, num_tokens = self._route(entry, node)
         self._check_queue_delay(computing, num_tokens)
-        self._send(entry, request_id, node, prefill, computing, num_tokens)
+        self._send(entry, request_id, request_id, node, prefill, computing, num_tokens)
         entry.submitted_at = self.clock()
         self.inflight[request_id] = entry
         return entry.queue
@@ -234,17 +234,18 @@ class NodeClient:
         self,
         entry: InFlight,
         request_id: str,
+        wire_id: str,
         node: NodeState,
         prefill: NodeState | None,
         computing: NodeState,
         num_tokens: int,
     ) -> None:
-        """Sends the entry's Generate to `node` under its current wire id, naming `prefill`
-        to a decode node; the request then waits in `computing`'s queue until it starts.
-        Raises RuntimeError when the node's socket cannot take the message."""
+        """Sends the entry's Generate to `node` as `wire_id`, naming `prefill` to a decode
+        node; the request then waits in `computing`'s queue until it starts. Raises
+        RuntimeError when the node's socket cannot take the message."""
         message = dataclasses.replace(
             entry.request,
-            request_id=entry.wire_id or request_id,
+            request_id=wire_id,
             prefill_address=prefill.address if prefill is not None else None,
         )
         try:
@@ -280,12 +281,14 @@ class NodeClient:
 
     def _forget(self, request_id: str) -> InFlight | None:
         entry = self.inflight.pop(request_id, None)
-        if entry is not None and not entry.started:
+        if entry is None:
+            return None
+        if not entry.started:
             entry.started = True  # no token can reach the client any more
             if entry.queued_at is not None:
                 self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
-            if entry.wire_id is not None:
-                self._client_ids.pop(entry.wire_id, None)
+        if entry.wire_id is not None:
+            self._client_ids.pop(entry.wire_id, None)
         return entry
 
     def _lookup(self, wire_id: str) -> tuple[str, InFlight] | None:
@@ -308,16 +311,15 @@ class NodeClient:
         node = self.live_node()
         if not entry.started and entry.attempts <= self.max_retries and node is not None:
             wire_id = f"{request_id}~{entry.attempts}"
-            entry.wire_id = wire_id
             try:
-                self._send(entry, request_id, node, *self._route(entry, node))
+                self._send(entry, request_id, wire_id, node, *self._route(entry, node))
             except RuntimeError as error:
-                entry.wire_id = old_wire_id
                 reason = f"{reason}; the retry failed: {error}"
             else:
                 entry.attempts += 1
                 self._client_ids.pop(old_wire_id, None)
                 self._client_ids[wire_id] = request_id
+                entry.wire_id = wire_id
                 if self.on_retry is not None:
                     self.on_retry()
                 via = f" via prefill node {entry.prefill.node_id}" if entry.prefill else ""

@@ -142,6 +142,8 @@ def test_a_started_request_leaves_the_queue_and_retries_are_not_judged_again():
         assert [m.request_id for m in generates(sockets["d"])] == ["a", "a~1"]  # retried
         client._dispatch(TokenBatch("p", [TokenUpdate("a~1", [7], None, offset=0)]))
         assert len(client.prompt_queues) == 0
+        client._dispatch(TokenBatch("d", [TokenUpdate("a~1", [8], "length", offset=1)]))
+        assert not client.inflight and not client._client_ids  # the retry's id is forgotten
         client.submit("c", PROMPT[::-1], {"max_tokens": 4}, queue)
         client.abort("c")
         assert len(client.prompt_queues) == 0
