@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.sampling_params import INT32_MAX
+
 MAX_USER_CHARS = 256
 
 
@@ -40,7 +42,7 @@ class _CommonParams(_Request):
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # lower is served first
+    priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)  # lower is served first
     skip_special_tokens: bool = True
 
 
