@@ -32,9 +32,10 @@ from starlette.requests import Request
 
 from engine.protocol import NodeStats, TokenUpdate
 from router.__main__ import uvicorn_config
-from router.app import create_app, max_chars_per_token
+from router.app import create_app
 from router.config import RouterConfig
 from router.errors import APIError
+from router.prompt_chars import max_chars_per_token
 from router.responses import Responder
 
 MODEL = "tiny"
