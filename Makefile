@@ -30,7 +30,7 @@ test-fast: install
 # The fault and end-to-end tests while a busy-looping process occupies every core (started
 # before pytest, stopped after it whatever the outcome): they must hold on a loaded machine.
 test-stress: install
-	$(PY) -m tests.cpu_hog -- $(PY) -m pytest -q tests/test_fault_*.py tests/test_e2e_*.py
+	$(PY) -m tests.cpu_hog -- $(PY) -m pytest -q tests/faults tests/e2e
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -61,10 +61,10 @@ def make_requests(vocab: list[int], count: int, rate: float, args) -> list[LoadR
 
 def vocabulary(model: str | None) -> list[int]:
     from engine.default_model import ensure_default_model
-    from engine.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model) if model else ensure_default_model())
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    special = tokenizer.added_token_ids
     return [t for t in range(len(tokenizer)) if t not in special]
 
 

@@ -56,20 +56,20 @@ WHEELS_DIR = REPO_ROOT / ".gpu-wheels"
 SITE_DIR = Path(tempfile.gettempdir()) / "pdserve-gpu-check-site"
 SERVING_MODULES = ("zmq", "fastapi", "uvicorn", "pydantic", "starlette")
 KERNEL_TESTS = [
-    "tests/test_kernels_store_kv.py",
-    "tests/test_kernels_decode_attention.py",
-    "tests/test_kernels_prefill_attention.py",
-    "tests/test_kernels_block_copy.py",
-    "tests/test_kernels_triton_backend.py",
-    "tests/test_gpu_tiles.py",
+    "tests/kernels/test_store_kv.py",
+    "tests/kernels/test_decode_attention.py",
+    "tests/kernels/test_prefill_attention.py",
+    "tests/kernels/test_block_copy.py",
+    "tests/kernels/test_triton_backend.py",
+    "tests/kernels/test_gpu_tiles.py",
 ]
 PARITY_TESTS = [
-    "tests/test_greedy_parity.py::test_greedy_equals_transformers_on_cuda_in_fp32",
-    "tests/test_triton_parity.py",
-    "tests/test_gpu_cuda_graphs.py",
-    "tests/test_block_staging.py",
-    "tests/test_kvtransfer_cuda_ipc.py",
-    "tests/test_kvtransfer_gpu_staging.py",
+    "tests/engine/test_greedy_parity.py::test_greedy_equals_transformers_on_cuda_in_fp32",
+    "tests/kernels/test_triton_parity.py",
+    "tests/engine/test_gpu_cuda_graphs.py",
+    "tests/engine/test_block_staging.py",
+    "tests/kvtransfer/test_cuda_ipc.py",
+    "tests/kvtransfer/test_gpu_staging.py",
 ]
 
 

@@ -134,7 +134,7 @@ def bench_pdserve(
     args: argparse.Namespace, model_path: Path, results: dict[str, Any]
 ) -> tuple[list[Request], list[list[int]]]:
     """pdserve's part: throughput, batch-1 decode vs the floor, profiles. Fills `results`."""
-    from engine.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
 
     say("loading pdserve")
     llm = build_llm(model_path, args)

@@ -33,7 +33,7 @@ class ChatShape:
 
 class TokenSource:
     def __init__(self, tokenizer, vocab_size: int, seed: int) -> None:
-        special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+        special = tokenizer.added_token_ids
         self.vocab = [t for t in range(min(vocab_size, len(tokenizer))) if t not in special]
         self.rng = random.Random(seed)
 

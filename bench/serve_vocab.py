@@ -37,10 +37,10 @@ def range_vocabulary(vocab_size: int) -> Vocabulary:
 
 
 def tokenizer_vocabulary(folder: str | Path) -> Vocabulary:
-    from engine.tokenizer import load_tokenizer
+    from text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(folder))
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    special = tokenizer.added_token_ids
     ids = [t for t in range(len(tokenizer)) if t not in special]
     return Vocabulary(ids, f"the tokenizer in {Path(folder).name}", tokenizer)
 

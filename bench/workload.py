@@ -38,7 +38,7 @@ def make_workload(
     output_len: tuple[int, int],
 ) -> list[Request]:
     """Random prompts over the non-special vocabulary, uniform lengths, all from `seed`."""
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    special = tokenizer.added_token_ids
     vocab = [t for t in range(min(vocab_size, len(tokenizer))) if t not in special]
     rng = random.Random(seed)
     requests = []

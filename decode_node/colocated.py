@@ -15,13 +15,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from engine.cluster_auth import ClusterAuth
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepFailure
 from engine.node_runtime import NodeRuntime
 from engine.outputs import StepOutput
-from engine.protocol import Abort, Generate, RequestFailed, TokenBatch, TokenUpdate
 from engine.sampling_params import SamplingParams
+from wire.cluster_auth import ClusterAuth
+from wire.messages import Abort, Generate, RequestFailed, TokenBatch, TokenUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -42,10 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from decode_node.colocated import ColocatedNode, build_engine
-from engine.cluster_auth import ClusterAuth
 from engine.config import EngineConfig
 from engine.node_runtime import IDLE_POLL_MS
-from engine.protocol import (
+from engine.sampling_params import SamplingParams
+from kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
+from kvtransfer.fingerprint import model_fingerprint
+from wire.cluster_auth import ClusterAuth
+from wire.messages import (
     Abort,
     Generate,
     PrefillDone,
@@ -54,9 +57,6 @@ from engine.protocol import (
     TokenBatch,
     TokenUpdate,
 )
-from engine.sampling_params import SamplingParams
-from kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
-from kvtransfer.fingerprint import model_fingerprint
 
 logger = logging.getLogger(__name__)
 

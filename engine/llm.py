@@ -11,7 +11,6 @@ from engine.llm_engine import LLMEngine
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
 
@@ -60,7 +59,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:

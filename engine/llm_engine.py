@@ -49,7 +49,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.swap_space import SwapSpace
-from engine.tokenizer import load_tokenizer
+from text.tokenizer import load_tokenizer
 
 WARM_UP_MAX_TOKENS = 256
 WARM_UP_SHORT_PROMPT_TOKENS = 17

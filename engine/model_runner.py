@@ -26,9 +26,10 @@ from engine.memory_profile import (
 )
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SampleResult
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from wire.limits import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from engine.cuda_graphs import DecodeGraphs

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from engine.cluster_auth import SECRET_ENV, ClusterAuth
 from engine.config import LOAD_FORMATS, EngineConfig
+from wire.cluster_auth import SECRET_ENV, ClusterAuth
 
 _ENGINE_OPTIONS = (
     "max_model_len",

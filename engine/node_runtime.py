@@ -1,7 +1,7 @@
 """The loop every node process runs (colocated, prefill, decode), over ZeroMQ.
 
 Sockets (addresses come from the constructor; nothing is module-global):
-  PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `engine.protocol`)
+  PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `wire.messages`)
   PUSH, connected to `router_address` -> router: TokenBatch, RequestFailed, NodeStats
   PUSH per peer address, on first use -> other nodes (PrefillRequest, PrefillDone)
   PUSH of the heartbeat thread        -> router: Heartbeat (engine/heartbeat.py), every
@@ -25,7 +25,7 @@ Loop (`run()` until `stop()`):
      NodeStats reports it as `num_leaked_blocks` (the router exports it; it must stay 0).
 Sends never block: messages a PUSH socket cannot take now wait in one ordered outbox and are
 retried every iteration; NodeStats are skipped while the outbox is not empty.
-With a cluster secret (`cluster_auth`, engine/cluster_auth.py) the PULL socket is a CURVE
+With a cluster secret (`cluster_auth`, wire/cluster_auth.py) the PULL socket is a CURVE
 server and every PUSH a CURVE client: only holders of the secret reach the node, or are reached.
 """
 
@@ -40,10 +40,10 @@ from typing import Any, ClassVar
 
 import zmq
 
-from engine.cluster_auth import ClusterAuth
 from engine.heartbeat import DEFAULT_STALL_LIMIT_S, HeartbeatThread
 from engine.llm_engine import LLMEngine
-from engine.protocol import Heartbeat, NodeStats, ProtocolError, decode, encode
+from wire.cluster_auth import ClusterAuth
+from wire.messages import Heartbeat, NodeStats, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
 from engine.sequence import Sequence
+from wire.limits import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
 
 
 @dataclass

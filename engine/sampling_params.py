@@ -9,14 +9,14 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-MAX_LOGPROBS = 20
-# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow them.
-GREEDY_TEMPERATURE_BELOW = 1e-5
-# Far past where sampling is uniform for any real model's logits; keeps them finite in fp32.
-MAX_TEMPERATURE = 100.0
-INT32_MAX = 2**31 - 1
-# torch.Generator.manual_seed takes [-2**63, 2**64); requests keep to signed 64-bit.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+from wire.limits import (
+    GREEDY_TEMPERATURE_BELOW,
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 
 def _integer(name: str, value: Any, low: int, high: int) -> int:

@@ -18,8 +18,8 @@ import msgpack
 import torch
 
 from engine.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
-from engine.protocol import unpack_map
 from kvtransfer.messages import KVProtocolError
+from wire.messages import unpack_map
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import zmq
 
-from engine.cluster_auth import ClusterAuth
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import KVReceiver, TransferEvent, TransferKind
 from kvtransfer.descriptor import KVDescriptor
@@ -46,6 +45,7 @@ from kvtransfer.transports.base import ReceiverTransport
 from kvtransfer.transports.registry import receiver_transport
 from kvtransfer.transports.shm_segment import NODE_ID_PATTERN
 from kvtransfer.wakeup import Wakeup
+from wire.cluster_auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 

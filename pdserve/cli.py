@@ -246,7 +246,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _chat_turn(llm, history: list[dict], params) -> str:
-    from engine.tokenizer import apply_chat_template
+    from text.tokenizer import apply_chat_template
 
     return _print_stream(llm.stream(apply_chat_template(llm.tokenizer, history), params))
 

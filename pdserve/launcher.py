@@ -28,7 +28,7 @@ SIGTERM drains: the router answers 503 to new requests while those in flight fin
 `--drain-timeout` seconds), then the nodes stop, and every child has exited and every
 shared-memory segment is gone before the launcher exits 0. SIGINT stops without draining.
 
-Every ZeroMQ link between the children is secured by a cluster secret (engine/cluster_auth.py):
+Every ZeroMQ link between the children is secured by a cluster secret (wire/cluster_auth.py):
 `--cluster-secret`, else a random one made for this run. Children get it in their environment,
 never on their command line (which `ps` shows to every user).
 """
@@ -95,7 +95,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 def check_cluster_settings(args: argparse.Namespace) -> None:
     """ValueError for a bad secret, or for a router others should join without one to share."""
-    from engine.cluster_auth import check_secret, is_loopback
+    from wire.cluster_auth import check_secret, is_loopback
 
     if args.cluster_secret is not None:
         check_secret(args.cluster_secret)

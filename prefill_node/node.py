@@ -26,10 +26,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.cluster_auth import ClusterAuth
 from engine.llm_engine import LLMEngine, StepFailure
 from engine.node_runtime import NodeRuntime
-from engine.protocol import (
+from engine.sampling_params import SamplingParams
+from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
+from kvtransfer.fingerprint import model_fingerprint
+from prefill_node.prefill_engine import FirstToken, PrefillEngine
+from wire.cluster_auth import ClusterAuth
+from wire.messages import (
     Abort,
     PrefillDone,
     PrefillRequest,
@@ -37,10 +41,6 @@ from engine.protocol import (
     TokenBatch,
     TokenUpdate,
 )
-from engine.sampling_params import SamplingParams
-from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
-from kvtransfer.fingerprint import model_fingerprint
-from prefill_node.prefill_engine import FirstToken, PrefillEngine
 
 logger = logging.getLogger(__name__)
 

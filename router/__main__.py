@@ -20,10 +20,10 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.cluster_auth import SECRET_ENV, ClusterAuth
 from router.app import create_app
 from router.config import RouterConfig
 from router.drain import DrainingServer
+from wire.cluster_auth import SECRET_ENV, ClusterAuth
 
 # Connections: one idle between requests (or since it opened) is closed after
 # KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within

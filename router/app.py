@@ -33,7 +33,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from engine.tokenizer import load_tokenizer
 from router.admission import AdmissionQueue
 from router.auth import APIKeyMiddleware
 from router.body import read_json_object
@@ -65,6 +64,7 @@ from router.validation import (
     plan_chat,
     plan_completion,
 )
+from text.tokenizer import load_tokenizer
 
 # Threads that tokenize and apply chat templates (HF tokenizers release the GIL while they
 # encode); the characters of a prompt are bounded before it gets there.

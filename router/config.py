@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.cluster_auth import ClusterAuth
 from router.node_registry import parse_node_spec
+from wire.cluster_auth import ClusterAuth
 
 
 @dataclass
@@ -16,7 +16,7 @@ class RouterConfig:
     `node_addresses` are the nodes' PULL addresses (`tcp://host:port`), optionally prefixed
     with the node's id (`ID=tcp://host:port`) so NodeStats can be matched to an address when
     several nodes are configured. `listen_address` is where the router binds its PULL socket.
-    `cluster_auth` (engine/cluster_auth.py) secures every ZeroMQ link to the nodes; without a
+    `cluster_auth` (wire/cluster_auth.py) secures every ZeroMQ link to the nodes; without a
     secret the listen and node addresses must be loopback ones.
     """
 

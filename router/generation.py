@@ -30,13 +30,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.protocol import RequestFailed, TokenUpdate
 from router.admission import AdmissionQueue
 from router.errors import APIError, ClientDisconnected, invalid
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.validation import Plan
+from text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from wire.messages import RequestFailed, TokenUpdate
 
 DISCONNECT_POLL_S = 0.05
 WIRE_INT_RANGE = (-(1 << 63), 1 << 64)  # what msgpack can encode: int64 up to uint64

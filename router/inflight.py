@@ -6,8 +6,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from engine.protocol import Generate, TokenUpdate
 from router.node_registry import NodeState
+from wire.messages import Generate, TokenUpdate
 
 
 @dataclass

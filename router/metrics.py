@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.protocol import NodeStats
 from router.scheduling_metrics import SchedulingCollector
+from wire.messages import NodeStats
 
 _LATENCY_BUCKETS = (
     0.005,

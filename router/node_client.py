@@ -25,7 +25,7 @@ live nodes, preferring a prefill node it has not failed on, at most `max_retries
 token has reached the client it is never retried: it fails with 503, which the client sees as
 an error event ending its stream.
 
-With a cluster secret (`cluster_auth`, engine/cluster_auth.py) the PULL socket is a CURVE
+With a cluster secret (`cluster_auth`, wire/cluster_auth.py) the PULL socket is a CURVE
 server and every PUSH a CURVE client: a node without the secret can neither send nor be sent to.
 """
 
@@ -42,8 +42,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from engine.cluster_auth import ClusterAuth
-from engine.protocol import (
+from router.errors import APIError
+from router.inflight import InFlight
+from router.node_registry import NodeRegistry, NodeState
+from router.queue_delay import PromptQueues
+from router.routing import PrefillRouter, pick_decode_node
+from wire.cluster_auth import ClusterAuth
+from wire.messages import (
     Abort,
     Generate,
     Heartbeat,
@@ -55,11 +60,6 @@ from engine.protocol import (
     decode,
     encode,
 )
-from router.errors import APIError
-from router.inflight import InFlight
-from router.node_registry import NodeRegistry, NodeState
-from router.queue_delay import PromptQueues
-from router.routing import PrefillRouter, pick_decode_node
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.protocol import Heartbeat, NodeStats
+from wire.messages import Heartbeat, NodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from engine.protocol import NodeStats
+from wire.messages import NodeStats
 
 
 class SchedulingCollector:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import INT32_MAX
+from wire.limits import INT32_MAX
 
 MAX_USER_CHARS = 256
 

@@ -19,16 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import (
+from router.config import RouterConfig
+from router.errors import APIError, invalid
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from wire.limits import (
     GREEDY_TEMPERATURE_BELOW,
     INT32_MAX,
     MAX_LOGPROBS,
     MAX_TEMPERATURE,
 )
-from engine.tokenizer import apply_chat_template
-from router.config import RouterConfig
-from router.errors import APIError, invalid
-from router.schemas import ChatCompletionRequest, CompletionRequest
 
 SEED_LIMIT = 1 << 63
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -150,7 +149,7 @@ def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        return list(apply_chat_template(tokenizer, messages))
+        return list(tokenizer.apply_chat_template(messages))
     except ValueError as error:
         raise invalid(str(error), "messages") from None
     except Exception:  # noqa: BLE001 (template errors are the request's fault)

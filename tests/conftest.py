@@ -1,12 +1,14 @@
 """Shared pytest fixtures for pdserve's tests, and the markers that split them into tiers.
 
-Every test in a module named in PROCESS_MODULES gets the `processes` marker (it starts
-processes: servers, nodes, KV peers, the command line), every test in a module named in
-SLOW_MODULES the `slow` marker (in-process, but seconds per test: whole-model runs against
-transformers, the Triton interpreter, node loops on real sockets). `make test-fast` runs the
-rest, `-m "not processes and not slow and not default_model"`, in under a minute; `make test`
-runs everything. A new module that starts a process, or whose tests take seconds, belongs in
-one of the lists.
+Tests live in one folder per subsystem (engine/, kernels/, kvtransfer/, nodes/, router/, text/,
+wire/, e2e/, faults/, bench/, cli/, architecture/). Every test in a module matched by
+PROCESS_MODULES (paths relative to tests/) gets the `processes` marker (it starts processes:
+servers, nodes, KV peers, the command line), every test in a module matched by SLOW_MODULES the
+`slow` marker (in-process, but seconds per test: whole-model runs against transformers, the
+Triton interpreter, node loops on real sockets). `make test-fast` runs the rest,
+`-m "not processes and not slow and not default_model"`, in under a minute; `make test` runs
+everything. A new module that starts a process, or whose tests take seconds, belongs in one of
+the lists.
 """
 
 from __future__ import annotations
@@ -17,33 +19,32 @@ from pathlib import Path
 
 import pytest
 
+TESTS = Path(__file__).resolve().parent
 PROCESS_MODULES = (
-    "test_e2e_*.py",
-    "test_fault_*.py",
-    "test_bench_burst.py",
-    "test_bench_serve_run.py",
-    "test_cluster_secret.py",
-    "test_colocated_node.py",
-    "test_hostile_inputs.py",
-    "test_kvtransfer_cuda_ipc.py",
-    "test_kvtransfer_failures.py",
-    "test_kvtransfer_inprocess.py",
-    "test_kvtransfer_processes.py",
-    "test_launcher.py",
-    "test_packaging.py",
-    "test_plan.py",
-    "test_security.py",
+    "e2e/*.py",
+    "faults/*.py",
+    "bench/test_burst.py",
+    "bench/test_serve_run.py",
+    "cli/test_launcher.py",
+    "cli/test_packaging.py",
+    "cli/test_plan.py",
+    "kvtransfer/test_cuda_ipc.py",
+    "kvtransfer/test_failures.py",
+    "kvtransfer/test_inprocess.py",
+    "kvtransfer/test_processes.py",
+    "nodes/test_colocated_node.py",
+    "wire/test_cluster_secret.py",
 )
 SLOW_MODULES = (
-    "test_admission.py",
-    "test_disaggregated_engine.py",
-    "test_greedy_parity.py",
-    "test_kernels_prefill_attention.py",
-    "test_node_heartbeat.py",
-    "test_preemption_modes.py",
-    "test_prefix_caching.py",
-    "test_sampling.py",
-    "test_triton_parity.py",
+    "engine/test_admission.py",
+    "engine/test_disaggregated_engine.py",
+    "engine/test_greedy_parity.py",
+    "engine/test_preemption_modes.py",
+    "engine/test_prefix_caching.py",
+    "engine/test_sampling.py",
+    "kernels/test_prefill_attention.py",
+    "kernels/test_triton_parity.py",
+    "nodes/test_node_heartbeat.py",
 )
 
 # The kernel tests run the Triton kernels on the CPU in Triton's interpreter. Triton reads this
@@ -67,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for marker, modules in (("processes", PROCESS_MODULES), ("slow", SLOW_MODULES)):
-            if any(fnmatch(item.path.name, pattern) for pattern in modules):
+            if any(fnmatch(item.path.relative_to(TESTS).as_posix(), p) for p in modules):
                 item.add_marker(marker)
 
 

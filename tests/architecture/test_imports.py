@@ -1,0 +1,119 @@
+"""The import rules of docs/design.md ("Architecture"), checked on every module's source.
+
+Imports point one way: kernels <- engine <- kvtransfer <- node <- colocated_node /
+prefill_node / decode_node, and pdserve launches them. The wire layer (wire/) and the text layer
+(text/) import no torch and no model code, and the router imports only them, so the router
+process never loads torch (test_router_process_never_loads_torch starts one to see). No
+serving code imports bench/ or tests/ (only `pdserve bench serve` dispatches to bench/, and
+bench's GPU check builds the tests' tiny models). Every import counts, including those inside
+functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = sorted(
+    path.parent.name for path in ROOT.glob("*/__init__.py") if path.parent.name != "tests"
+)
+HEAVY = ("torch", "transformers", "triton", "safetensors", "gguf", "numpy")
+# What each package may import of the project (itself always); None: anything.
+ALLOWED: dict[str, set[str] | None] = {
+    "wire": set(),
+    "text": set(),
+    "kernels": set(),
+    "engine": {"kernels", "wire", "text"},
+    "kvtransfer": {"engine", "wire"},
+    "node": {"engine", "kvtransfer", "wire", "text"},
+    "colocated_node": {"node", "engine", "wire"},
+    "prefill_node": {"node", "engine", "kvtransfer", "wire"},
+    "decode_node": {"node", "engine", "kvtransfer", "wire"},
+    "router": {"wire", "text"},
+    "pdserve": set(PROJECT),
+    "bench": None,
+}
+# Packages whose processes must stay light: no torch, no model code.
+TORCH_FREE = ("wire", "text", "router")
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level module name) of every absolute import in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def modules_of(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_every_package_has_a_rule():
+    assert set(PROJECT) == set(ALLOWED), set(PROJECT) ^ set(ALLOWED)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_its_layer_may(package):
+    allowed = ALLOWED[package]
+    broken = []
+    for path in modules_of(package):
+        for line, name in imports_of(path):
+            own = name in PROJECT or name == "tests"
+            if allowed is not None and own and name not in allowed | {package}:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+            elif package in TORCH_FREE and name in HEAVY:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_pdserve_imports_no_node_code_at_module_level():
+    broken = []
+    for path in modules_of("pdserve"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module.split(".")[0]]
+            heavy = [n for n in names if n in HEAVY or n in ("engine", "kernels", "kvtransfer")]
+            broken += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in heavy]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_rules_catch_a_forbidden_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    import torch\n    from engine.llm import LLM\n")
+    assert imports_of(module) == [(2, "torch"), (3, "engine")]
+
+
+def test_router_process_never_loads_torch(tiny_llama_dir):
+    """A router process that builds its app (tokenizer, node links, routes) and answers a chat
+    request's tokenization holds no torch, transformers or project model code."""
+    script = f"""
+import sys
+from pathlib import Path
+from router.app import create_app
+from router.config import RouterConfig
+import router.__main__
+app = create_app(RouterConfig(model_path=Path({str(tiny_llama_dir)!r}), node_addresses=[]))
+tokenizer = app.state.router.tokenizer
+assert tokenizer.encode("hello world")
+print(sorted(m for m in sys.modules if m.split(".")[0] in
+      ("torch", "transformers", "triton", "engine", "kernels", "kvtransfer", "node")))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

@@ -1,0 +1,131 @@
+"""Router policies without sockets: node registration and pairing, cache-aware prefill routing
+with its load-imbalance fallback, decode choice, and in-order delivery of token updates that
+arrive from two nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from router.node_client import InFlight, NodeClient
+from router.node_registry import NodeRegistry, NodeState
+from router.queue_delay import PromptQueues
+from router.routing import PrefillRouter, block_hashes, pick_decode_node
+from wire.messages import NodeStats, TokenBatch, TokenUpdate
+
+
+def stats(node_id: str, role: str, address: str = "", **fields) -> NodeStats:
+    values = {
+        "max_model_len": 512,
+        "vocab_size": 512,
+        "num_waiting": 0,
+        "num_running": 0,
+        "num_free_blocks": 10,
+        "num_total_blocks": 10,
+        "num_preemptions": 0,
+        "prompt_tokens_total": 0,
+        "generation_tokens_total": 0,
+        "block_size": 16,
+        "model_fingerprint": "m1",
+        "dtype": "float32",
+        "listen_address": address,
+    }
+    values.update(fields)
+    return NodeStats(node_id=node_id, role=role, **values)
+
+
+def registry(addresses=()) -> tuple[NodeRegistry, list[NodeState]]:
+    connected: list[NodeState] = []
+    return NodeRegistry(list(addresses), 30.0, connected.append, lambda: 0.0), connected
+
+
+def test_a_node_joins_by_its_listen_address():
+    nodes, connected = registry(["p0=tcp://127.0.0.1:1"])
+    nodes.record(stats("p0", "prefill", "tcp://127.0.0.1:1"))
+    joined = nodes.record(stats("d9", "decode", "tcp://10.0.0.9:5000"))
+    assert joined.address == "tcp://10.0.0.9:5000" and connected == [joined]
+    assert [n.node_id for n in nodes.live()] == ["p0", "d9"]
+    assert nodes.live("decode") == [joined]
+
+
+def test_a_node_with_another_model_dtype_or_block_size_is_refused():
+    nodes, _ = registry()
+    nodes.record(stats("a", "prefill", "tcp://h:1"))
+    for field, value in (("model_fingerprint", "m2"), ("dtype", "bfloat16"), ("block_size", 32)):
+        node = nodes.record(stats(f"b-{field}", "decode", f"tcp://h:{field}", **{field: value}))
+        assert node.refused and repr(value) in node.refused
+        assert node not in nodes.live()
+    assert [n.node_id for n in nodes.live()] == ["a"]
+
+
+def test_block_hashes_chain_whole_blocks():
+    a = list(range(40))
+    b = list(range(20)) + [999] * 20
+    assert len(block_hashes(a, 16)) == 2
+    assert block_hashes(a, 16)[0] == block_hashes(b, 16)[0]
+    assert block_hashes(a, 16)[1] != block_hashes(b, 16)[1]
+    assert block_hashes(list(range(15)), 16) == []
+
+
+def live_prefill_nodes(count: int) -> list[NodeState]:
+    return [
+        NodeState(f"tcp://p{i}", f"p{i}", stats(f"p{i}", "prefill"), last_seen=0.0)
+        for i in range(count)
+    ]
+
+
+def test_each_system_prompt_stays_on_one_prefill_node():
+    rng = random.Random(0)
+    router = PrefillRouter(PromptQueues(), imbalance_tokens=10**9)
+    nodes = live_prefill_nodes(2)
+    systems = [[rng.randrange(500) for _ in range(64)] for _ in range(4)]
+    homes: dict[int, set[str]] = {i: set() for i in range(4)}
+    for _ in range(40):
+        which = rng.randrange(4)
+        prompt = systems[which] + [rng.randrange(500) for _ in range(20)]
+        node, cached = router.pick(nodes, prompt)
+        router.remember(node, prompt)
+        assert cached in (0, 64)
+        homes[which].add(node.address)
+    assert all(len(h) == 1 for h in homes.values())
+    assert len(set().union(*homes.values())) == 2, "all prompts went to one node"
+
+
+def test_an_overloaded_prefill_node_sheds_load_to_the_least_loaded():
+    queues = PromptQueues()
+    router = PrefillRouter(queues, imbalance_tokens=1000)
+    nodes = live_prefill_nodes(2)
+    system = list(range(64))
+    first, _ = router.pick(nodes, system + [1])
+    router.remember(first, system + [1])
+    queues.add(first, "a", 900, now=0.0)
+    again, cached = router.pick(nodes, system + [2])
+    assert again is first and cached == 64
+    queues.add(first, "b", 900, now=0.0)
+    spilled, cached = router.pick(nodes, system + [3])
+    assert spilled is not first and cached == 0
+
+
+def test_decode_choice_prefers_free_blocks_then_fewer_running():
+    a = NodeState("a", "a", stats("a", "decode", num_free_blocks=5, num_running=0))
+    b = NodeState("b", "b", stats("b", "decode", num_free_blocks=9, num_running=3))
+    c = NodeState("c", "c", stats("c", "decode", num_free_blocks=9, num_running=1))
+    assert pick_decode_node([a, b, c]) is c
+
+
+def test_updates_from_two_nodes_are_delivered_in_output_order():
+    client = NodeClient([], "tcp://127.0.0.1:0")
+    queue: asyncio.Queue = asyncio.Queue()
+    node = NodeState("tcp://d", "d")
+    client.inflight["r"] = InFlight(queue, node)
+    client._dispatch(TokenBatch("d", [TokenUpdate("r", [7, 8], None, offset=1)]))
+    client._dispatch(TokenBatch("d", [TokenUpdate("r", [], "length", offset=3)]))
+    assert queue.empty()
+    client._dispatch(TokenBatch("p", [TokenUpdate("r", [5], None, offset=0)]))
+    delivered = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [(u.token_ids, u.finish_reason) for u in delivered] == [
+        ([5], None),
+        ([7, 8], None),
+        ([], "length"),
+    ]
+    assert "r" not in client.inflight

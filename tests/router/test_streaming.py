@@ -1,0 +1,276 @@
+"""Router generation paths against a scripted in-test node speaking the wire protocol over
+ZeroMQ (ipc sockets): detokenization, stop strings with Abort, n with seeds, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+
+from router.app import create_app
+from router.config import RouterConfig
+from wire.messages import (
+    Abort,
+    Generate,
+    NodeStats,
+    TokenBatch,
+    TokenUpdate,
+    decode,
+    encode,
+)
+
+MODEL = "tiny"
+REPLY = "hello world, again"
+
+
+class ScriptedNode:
+    """Answers every Generate with REPLY's tokens, one per batch, unless aborted."""
+
+    def __init__(self, tokenizer, listen: str, router: str) -> None:
+        self.tokenizer = tokenizer
+        self.context = zmq.asyncio.Context()
+        self.pull = self.context.socket(zmq.PULL)
+        self.pull.bind(listen)
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.connect(router)
+        self.generates: list[Generate] = []
+        self.aborted: set[str] = set()
+        self.delay = 0.005
+
+    async def run(self) -> None:
+        stats = NodeStats("n0", "colocated", 256, 512, 0, 0, 10, 10, 0, 0, 0)
+        await self.push.send(encode(stats))
+        while True:
+            message = decode(await self.pull.recv())
+            if isinstance(message, Abort):
+                self.aborted.add(message.request_id)
+            elif isinstance(message, Generate):
+                self.generates.append(message)
+                asyncio.create_task(self.reply(message))
+
+    async def reply(self, message: Generate) -> None:
+        ids = self.tokenizer.encode(REPLY)[: message.sampling["max_tokens"]]
+        for i, token in enumerate(ids):
+            await asyncio.sleep(self.delay)
+            if message.request_id in self.aborted:
+                return
+            last = i == len(ids) - 1
+            logprobs = [[token, -0.5, [[token, -0.5]]]] if message.sampling["logprobs"] else None
+            update = TokenUpdate(
+                message.request_id,
+                [token],
+                "length" if last else None,
+                len(message.prompt_token_ids),
+                logprobs,
+                offset=i,
+            )
+            await self.push.send(encode(TokenBatch("n0", [update])))
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.push.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from text.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_llama_dir)
+
+
+def run_with_node(tmp_path, tokenizer, scenario):
+    node_addr, router_addr = f"ipc://{tmp_path}/node", f"ipc://{tmp_path}/router"
+    config = RouterConfig(
+        model_path="unused",
+        served_model_name=MODEL,
+        node_addresses=[node_addr],
+        listen_address=router_addr,
+    )
+    app = create_app(config, tokenizer=tokenizer)
+
+    async def main():
+        state = app.state.router
+        await state.client.start()
+        node = ScriptedNode(tokenizer, node_addr, router_addr)
+        node_task = asyncio.create_task(node.run())
+        try:
+            for _ in range(200):
+                if state.client.any_alive():
+                    break
+                await asyncio.sleep(0.01)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                return await scenario(http, node)
+        finally:
+            node_task.cancel()
+            await state.client.stop()
+            node.close()
+
+    return asyncio.run(main())
+
+
+def sse_payloads(text: str) -> list:
+    events = [line[len("data: ") :] for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completion_with_stop_string_aborts_node(tmp_path, tokenizer):
+    async def scenario(http, node):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 50, "stop": "wor", "n": 2, "seed": 7}
+        r = await http.post("/v1/completions", json=body)
+        for _ in range(100):
+            if len(node.aborted) == 2:
+                break
+            await asyncio.sleep(0.02)
+        return r, node
+
+    r, node = run_with_node(tmp_path, tokenizer, scenario)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "text_completion"
+    assert [c["text"] for c in data["choices"]] == ["hello ", "hello "]
+    assert [c["finish_reason"] for c in data["choices"]] == ["stop", "stop"]
+    assert sorted(g.sampling["seed"] for g in node.generates) == [7, 8]
+    assert all("stop" not in g.sampling for g in node.generates)
+    assert node.aborted == {g.request_id for g in node.generates}
+    assert data["usage"]["prompt_tokens"] == 2
+
+
+def test_completion_length_with_logprobs(tmp_path, tokenizer):
+    async def scenario(http, node):
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 5, "logprobs": 1}
+        return await http.post("/v1/completions", json=body)
+
+    data = run_with_node(tmp_path, tokenizer, scenario).json()
+    choice = data["choices"][0]
+    assert choice["text"] == "hello" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == list("hello")
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    assert data["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def test_chat_stream_framing_and_usage(tmp_path, tokenizer):
+    async def scenario(http, node):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 50,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        return await http.post("/v1/chat/completions", json=body)
+
+    r = run_with_node(tmp_path, tokenizer, scenario)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(r.text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == REPLY
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(REPLY)
+    assert all("usage" in c for c in chunks)
+
+
+def test_metrics_count_finished_requests(tmp_path, tokenizer):
+    async def scenario(http, node):
+        await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3})
+        return await http.get("/metrics")
+
+    text = run_with_node(tmp_path, tokenizer, scenario).text
+    assert 'pdserve_request_success_total{finish_reason="length"} 1.0' in text
+    assert "pdserve_generation_tokens_total 3.0" in text
+    assert 'pdserve_kv_cache_usage_ratio{node="n0"} 0.0' in text
+
+
+def _generation(http_app_state, prompt_ids, n=2):
+    from router.generation import Generation
+    from router.validation import Plan
+
+    sampling = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_tokens": 50,
+        "min_tokens": 0,
+        "ignore_eos": False,
+        "logprobs": None,
+        "skip_special_tokens": True,
+        "seed": None,
+    }
+    plan = Plan(prompt_ids, [dict(sampling) for _ in range(n)], [])
+    state = http_app_state
+    return Generation("cmpl-test", plan, state.client, state.tokenizer, state.metrics)
+
+
+def _run_generation_scenario(tmp_path, tokenizer, body, delay=0.005):
+    node_addr, router_addr = f"ipc://{tmp_path}/node", f"ipc://{tmp_path}/router"
+    config = RouterConfig(
+        model_path="unused",
+        served_model_name=MODEL,
+        node_addresses=[node_addr],
+        listen_address=router_addr,
+    )
+    state = create_app(config, tokenizer=tokenizer).state.router
+
+    async def main():
+        await state.client.start()
+        node = ScriptedNode(tokenizer, node_addr, router_addr)
+        node.delay = delay
+        node_task = asyncio.create_task(node.run())
+        try:
+            while not state.client.any_alive():
+                await asyncio.sleep(0.01)
+            generation = _generation(state, [5, 6])
+            generation.start()
+            await body(generation)
+            for _ in range(100):  # the PUSH socket may still be reconnecting (100 ms)
+                if len(node.aborted) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            return node, state
+        finally:
+            node_task.cancel()
+            await state.client.stop()
+            node.close()
+
+    return asyncio.run(main())
+
+
+def test_closing_a_stream_aborts_every_choice(tmp_path, tokenizer):
+    async def body(generation):
+        events = generation.events()
+        await anext(events)
+        await events.aclose()
+
+    node, state = _run_generation_scenario(tmp_path, tokenizer, body)
+    assert node.aborted == {"cmpl-test-0", "cmpl-test-1"}
+    assert not state.client.inflight
+
+
+def test_disconnect_while_waiting_aborts(tmp_path, tokenizer):
+    from router.generation import ClientDisconnected
+
+    async def gone() -> bool:
+        return True
+
+    async def body(generation):
+        generation.poll_disconnect = gone
+        with pytest.raises(ClientDisconnected):
+            async for _ in generation.events():
+                pass
+
+    node, state = _run_generation_scenario(tmp_path, tokenizer, body, delay=0.5)
+    assert node.aborted == {"cmpl-test-0", "cmpl-test-1"}
+    assert not state.client.inflight

@@ -1,0 +1,253 @@
+"""Router request validation and error shapes, against `create_app` with no node process.
+
+A live node is simulated only by storing a NodeStats in the app's node client (state
+injection); nothing is mocked and no socket is opened (the lifespan does not run).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from router.app import create_app
+from router.config import RouterConfig
+from wire.messages import NodeStats
+
+MODEL = "tiny"
+KEY = "sekret-key"
+
+
+def _stats(max_model_len: int = 64, vocab_size: int = 512) -> NodeStats:
+    return NodeStats(
+        node_id="n0",
+        role="colocated",
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=10,
+        num_total_blocks=10,
+        num_preemptions=0,
+        prompt_tokens_total=0,
+        generation_tokens_total=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def app(tiny_llama_dir):
+    config = RouterConfig(
+        model_path=tiny_llama_dir,
+        served_model_name=MODEL,
+        node_addresses=["tcp://127.0.0.1:1"],
+        listen_address="tcp://127.0.0.1:2",
+        max_body_bytes=4096,
+    )
+    return create_app(config)
+
+
+@pytest.fixture
+def client(app):
+    app.state.router.client.nodes[0].stats = None  # no live node unless a test injects one
+    return TestClient(app)
+
+
+@pytest.fixture
+def live(app, client):
+    app.state.router.client.record_stats(_stats())
+    return client
+
+
+def assert_error(response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_health_without_node_is_503(client):
+    assert_error(client.get("/health"), 503)
+
+
+def test_health_with_live_node_is_200(live):
+    assert live.get("/health").status_code == 200
+
+
+def test_node_that_stopped_reporting_is_dead(app, client):
+    node = app.state.router.client.record_stats(_stats())
+    node.last_seen = time.monotonic() - app.state.router.client.node_timeout_s - 1
+    assert client.get("/health").status_code == 503
+
+
+def test_valid_requests_without_node_get_503(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert_error(r, 503)
+    ints_for_floats = {"prompt": [5, 6], "temperature": 0, "top_p": 1, "unknown_extra": 1}
+    assert_error(client.post("/v1/completions", json=ints_for_floats), 503)
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    assert_error(r, 503)
+
+
+def test_models_lists_served_name(client):
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list" and data["data"][0]["id"] == MODEL
+
+
+COMPLETION_CASES = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"stream": "yes"}, "stream"),
+    ({"stop": 3}, "stop"),
+    ({"prompt": ""}, "prompt"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), COMPLETION_CASES)
+def test_completion_bad_parameters_are_400(client, extra, param):
+    body = {"model": MODEL, "prompt": "hello", **extra}
+    error = assert_error(client.post("/v1/completions", json=body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_missing_prompt_is_400(client):
+    assert_error(client.post("/v1/completions", json={"model": MODEL}), 400, "prompt")
+
+
+CHAT_CASES = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"n": 100}, "n"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), CHAT_CASES)
+def test_chat_bad_parameters_are_400(client, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_type_errors_never_echo_input(client):
+    secret = "do-not-echo-this-value"
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": secret})
+    assert_error(r, 400, "max_tokens")
+    assert secret not in r.text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"\xff\xfe{}", b"[1, 2]", b'{"prompt": NaN}', b"", b'"text"'],
+)
+def test_malformed_bodies_are_400(client, body):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+def test_oversized_body_is_413(client):
+    body = {"model": MODEL, "prompt": "x" * 10_000}
+    assert_error(client.post("/v1/completions", json=body), 413)
+
+
+def test_unknown_model_is_404(client):
+    r = client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+    error = assert_error(r, 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_unknown_route_has_error_shape(client):
+    assert_error(client.get("/v1/nothing"), 404)
+
+
+def test_token_ids_outside_vocabulary_are_400(live):
+    r = live.post("/v1/completions", json={"model": MODEL, "prompt": [5, 512], "max_tokens": 1})
+    assert_error(r, 400, "prompt")
+    r = live.post("/v1/completions", json={"model": MODEL, "prompt": [-1], "max_tokens": 1})
+    assert_error(r, 400, "prompt")
+
+
+def test_context_length_is_checked(live):
+    r = live.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 60, "max_tokens": 10})
+    error = assert_error(r, 400)
+    assert "maximum context length" in error["message"]
+    assert "64" in error["message"] and "70" in error["message"]
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 100}]}
+    error = assert_error(live.post("/v1/chat/completions", json=long_chat), 400)
+    assert "maximum context length" in error["message"]
+
+
+def test_too_many_waiting_requests_is_429(app, live):
+    config = app.state.router.config
+    saved = config.max_queued_requests
+    config.max_queued_requests = 0
+    try:
+        r = live.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert_error(r, 429)
+        assert r.headers["retry-after"] == "1"
+    finally:
+        config.max_queued_requests = saved
+
+
+def test_metrics_are_prometheus_text(client):
+    client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert "pdserve_request_errors_total" in r.text
+    assert "pdserve_time_to_first_token_seconds_bucket" in r.text
+
+
+@pytest.fixture(scope="module")
+def keyed_app(tiny_llama_dir, app):
+    config = RouterConfig(
+        model_path=tiny_llama_dir,
+        served_model_name=MODEL,
+        api_key=KEY,
+        node_addresses=["tcp://127.0.0.1:1"],
+        listen_address="tcp://127.0.0.1:2",
+    )
+    return create_app(config, tokenizer=app.state.router.tokenizer)
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", f"Basic {KEY}", "Bearer"])
+def test_bad_or_missing_api_key_is_401(keyed_app, header):
+    client = TestClient(keyed_app)
+    headers = {"authorization": header} if header else {}
+    body = {"model": MODEL, "prompt": "hi"}
+    error = assert_error(client.post("/v1/completions", json=body, headers=headers), 401)
+    assert error["code"] == "invalid_api_key"
+    assert_error(client.get("/v1/models", headers=headers), 401)
+    assert_error(client.get("/metrics", headers=headers), 401)
+
+
+def test_right_api_key_passes_and_health_needs_none(keyed_app):
+    client = TestClient(keyed_app)
+    r = client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    assert client.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
+    assert client.get("/health").status_code == 503  # no node, but no 401 either

@@ -1,0 +1,60 @@
+"""Wire messages round-trip through msgpack, and anything malformed is refused, not obeyed."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from wire.messages import (
+    Abort,
+    Generate,
+    NodeStats,
+    ProtocolError,
+    RequestFailed,
+    TokenBatch,
+    TokenUpdate,
+    decode,
+    encode,
+)
+
+MESSAGES = [
+    Generate("r1", [1, 2, 3], {"temperature": 0.0, "max_tokens": 4}),
+    Abort("r1"),
+    TokenBatch("n0", [TokenUpdate("r1", [5], None, 3, [[5, -0.5, [[5, -0.5], [7, -1.0]]]])]),
+    RequestFailed("r1", "token id 900 is outside the vocabulary", 400),
+    NodeStats("n0", "colocated", 8192, 49152, 1, 2, 30, 100, 0, 17, 40),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: m.type)
+def test_every_message_round_trips(message):
+    assert decode(encode(message)) == message
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"type": "no-such-type"}),
+        msgpack.packb({"request_id": "r1"}),
+        msgpack.packb({"type": "abort"}),
+        msgpack.packb({"type": "abort", "request_id": 5}),
+        msgpack.packb({"type": "abort", "request_id": "r1", "extra": 1}),
+        msgpack.packb({"type": "generate", "request_id": "r", "prompt_token_ids": [1, True],
+                       "sampling": {}}),
+        msgpack.packb({"type": "generate", "request_id": "r", "prompt_token_ids": [1],
+                       "sampling": {1: 2}}),
+        msgpack.packb({"type": "token_batch", "node_id": "n", "updates": [{"token_ids": [1]}]}),
+    ],
+)
+def test_malformed_messages_raise_protocol_error(payload):
+    with pytest.raises(ProtocolError):
+        decode(payload)
+
+
+def test_pickle_payloads_are_not_messages():
+    import pickle
+
+    with pytest.raises(ProtocolError):
+        decode(pickle.dumps(Abort("r1")))

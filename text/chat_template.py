@@ -1,0 +1,69 @@
+"""A model's chat template rendered the way Hugging Face models expect, without transformers.
+
+Templates come from the model's files and are untrusted code, so they run in Jinja's immutable
+sandbox. The environment matches what chat templates are written against: `trim_blocks` and
+`lstrip_blocks`, loop controls (`break`, `continue`), a `tojson` that keeps non-ASCII text and
+takes `indent`, `raise_exception(message)` and `strftime_now(format)`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (its own raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """The template compiled in the sandbox (a syntax error raises ChatTemplateError)."""
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    try:
+        return environment.from_string(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise ChatTemplateError(f"the chat template does not parse: {error}") from None
+
+
+def render_chat(
+    template: jinja2.Template, messages: list[dict], special_tokens: dict[str, str]
+) -> str:
+    """The conversation as text, followed by the assistant's turn header."""
+    try:
+        return template.render(
+            messages=messages, add_generation_prompt=True, **special_tokens
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as error:
+        raise ChatTemplateError(f"the chat template failed: {error}") from None

@@ -1,0 +1,158 @@
+"""A model folder's tokenizer, read with the `tokenizers` library (no transformers, no torch).
+
+`load_tokenizer(folder)` reads `tokenizer.json` (the fast tokenizer every Hugging Face model
+ships), the special tokens, `add_bos_token`/`add_eos_token` and `clean_up_tokenization_spaces`
+from `tokenizer_config.json`, and the chat template from `chat_template.jinja` or
+`tokenizer_config.json`. Encoding, decoding and the chat template give what transformers'
+`AutoTokenizer` gives for the same folder (tests/text compares them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from tokenizers import Tokenizer as Backend
+from tokenizers import processors
+
+from text.chat_template import compile_template, render_chat
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+_CLEANUPS = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken map."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template_source(folder: Path, config: dict) -> str | None:
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the one called "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, and its chat template.
+
+    The method names are transformers' (`encode`, `decode`, `convert_ids_to_tokens`,
+    `apply_chat_template`), so code written against a Hugging Face tokenizer reads the same.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        special_tokens: dict[str, str],
+        chat_template: str | None = None,
+        clean_up_tokenization_spaces: bool = False,
+    ) -> None:
+        self.backend_tokenizer = backend
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = (
+            compile_template(chat_template) if chat_template else None
+        )
+        # As transformers: the clean-up was made for WordPiece and would corrupt BPE text.
+        model = json.loads(backend.to_str()).get("model") or {}
+        self._clean_up = clean_up_tokenization_spaces and model.get("type") != "BPE"
+        eos = special_tokens.get("eos_token")
+        self.eos_token_id: int | None = backend.token_to_id(eos) if eos else None
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Tokenizer:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{folder} has no tokenizer.json; pdserve reads the fast tokenizer file that "
+                "Hugging Face models ship (convert a sentencepiece-only folder with "
+                "transformers' AutoTokenizer(...).save_pretrained first)"
+            )
+        backend = Backend.from_file(str(path))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        special_tokens = {
+            key: text for key in SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))
+        }
+        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+            backend.post_processor = _bos_eos_processor(
+                backend,
+                special_tokens.get("bos_token") if config.get("add_bos_token") else None,
+                special_tokens.get("eos_token") if config.get("add_eos_token") else None,
+            )
+        return cls(
+            backend,
+            special_tokens=special_tokens,
+            chat_template=_chat_template_source(folder, config),
+            clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+        )
+
+    def __len__(self) -> int:
+        """The vocabulary's size with the added tokens."""
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def added_token_ids(self) -> set[int]:
+        """Ids of the tokens added on top of the vocabulary (special or not)."""
+        return set(self.backend_tokenizer.get_added_tokens_decoder())
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self._clean_up:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def convert_ids_to_tokens(self, token_id: int) -> str | None:
+        return self.backend_tokenizer.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of the conversation followed by the assistant's turn header."""
+        if self._compiled_template is None:
+            raise ValueError("the model has no chat template; use a plain prompt instead")
+        text = render_chat(self._compiled_template, messages, self.special_tokens)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _bos_eos_processor(backend: Backend, bos: str | None, eos: str | None) -> Any:
+    """The post-processor transformers builds from add_bos_token / add_eos_token."""
+    bos_id = backend.token_to_id(bos) if bos else None
+    eos_id = backend.token_to_id(eos) if eos else None
+    single = " ".join(
+        [*([f"{bos}:0"] if bos_id is not None else []), "$A:0"]
+        + ([f"{eos}:0"] if eos_id is not None else [])
+    )
+    pair = " ".join(
+        [single, *([f"{bos}:1"] if bos_id is not None else []), "$B:1"]
+        + ([f"{eos}:1"] if eos_id is not None else [])
+    )
+    special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if i is not None]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def load_tokenizer(model_path: Path) -> Tokenizer:
+    return Tokenizer.from_folder(Path(model_path))
+

@@ -1,0 +1,16 @@
+"""Bounds on the numbers a request carries, shared by the router's checks and the engine's.
+
+The router refuses a request outside them with a 400 naming the field; the engine's
+`SamplingParams` refuses the same values again, so a node is safe without a router in front.
+"""
+
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20
+# Below this a temperature is greedy (as in vLLM): dividing logits by it would overflow them.
+GREEDY_TEMPERATURE_BELOW = 1e-5
+# Far past where sampling is uniform for any real model's logits; keeps them finite in fp32.
+MAX_TEMPERATURE = 100.0
+# torch.Generator.manual_seed takes [-2**63, 2**64); requests keep to signed 64-bit.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
