@@ -58,7 +58,7 @@ def drive(engine, arrivals: list[Arrival], follow_up: FollowUp | None = None) ->
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, pending[0][0] - now))
             continue
-        outputs = engine.step()
+        outputs = engine.step().outputs
         now = time.perf_counter() - start
         for output in outputs:
             record = records[output.request_id]

@@ -67,7 +67,7 @@ def run(config: EngineConfig, jobs: list[Job], name: str) -> Run:
     finished: list[float] = [0.0] * len(jobs)
     running = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             index = int(output.request_id)
             outputs[index].extend(output.new_token_ids)
             if output.finish_reason is not None:

@@ -96,7 +96,7 @@ class LLM:
 
     def _step(self, processor: OutputProcessor) -> None:
         """One engine step through the processor; requests a stop string ended are finished."""
-        for request_id in processor.process(self.engine.step()):
+        for request_id in processor.process(self.engine.step().outputs):
             self.engine.finish_request(request_id, "stop")
 
     def _run(

@@ -1,8 +1,11 @@
 """The engine core: requests in, token steps out. No text, no I/O, no threads.
 
 `add_request` validates and queues; each `step()` schedules one iteration, runs it, appends the
-sampled tokens, finishes what ended (freeing blocks in the same step) and returns per-request
-`StepOutput`s. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
+sampled tokens, finishes what ended (freeing blocks in the same step) and returns an
+`EngineStep`: per-request `StepOutput`s, and the prompt blocks the step filled for requests
+whose KV leaves this engine (`export_prompt_blocks`, a prefill node's): a block is exported
+once all its tokens are computed (the partial last one with the prompt's last chunk), held
+for the caller before the step can end its request, so its KV stays until `release_blocks`. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
 live above it (`engine.output_processor`), which ends requests through `finish_request`.
 
 A request that breaks a batched step fails alone. Requests are validated before they are
@@ -28,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,7 +43,7 @@ from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
-from engine.outputs import StepOutput
+from engine.outputs import EngineStep, StepOutput
 from engine.preemption import PreemptionPolicy
 from engine.queue_wait import QueueWaitStats
 from engine.sampler import SampleResult, skip_sample
@@ -136,7 +138,7 @@ class LLMEngine:
         self.queue_wait = QueueWaitStats()
         self.sequences: dict[str, Sequence] = {}
         self.held_blocks: Counter[int] = Counter()
-        self.on_chunk_computed: Callable[[Sequence], None] | None = None
+        self.num_exported_blocks: dict[str, int] = {}  # request id -> prompt blocks exported
 
     def add_request(
         self,
@@ -145,14 +147,18 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        export_prompt_blocks: bool = False,
     ) -> None:
         """Queues a request (lower `priority` is served first); raises ValueError if it is
-        malformed or can never fit."""
+        malformed or can never fit. With `export_prompt_blocks` its prompt blocks come out of
+        `step()` as they fill (module docstring)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
         seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         self.sequences[request_id] = seq
+        if export_prompt_blocks:
+            self.num_exported_blocks[request_id] = 0
         self.scheduler.add(seq)
 
     def _new_sequence(
@@ -207,17 +213,19 @@ class LLMEngine:
     def finish_request(self, request_id: str, reason: str) -> None:
         """Ends a request now (abort, stop string); its blocks are freed at once."""
         seq = self.sequences.pop(request_id, None)
+        self.num_exported_blocks.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> EngineStep:
         schedule = self.scheduler.schedule()
         self._swap(schedule)
+        result = EngineStep()
         if schedule.is_empty:
-            return []
+            return result
         for scheduled in schedule.scheduled:
             self.queue_wait.observe(scheduled.seq)
         started = time.perf_counter()
@@ -234,16 +242,16 @@ class LLMEngine:
         for scheduled in schedule.scheduled:
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(scheduled.seq)
-            if self.on_chunk_computed is not None:
-                self.on_chunk_computed(scheduled.seq)
-        outputs = []
+            if scheduled.seq.request_id in self.num_exported_blocks:
+                self._export_filled_blocks(scheduled.seq, result.exported_blocks)
         for scheduled, sample in samples:
             seq = scheduled.seq
             reason = seq.append_token(sample.token_id)
             if reason is not None:
                 self.sequences.pop(seq.request_id, None)
+                self.num_exported_blocks.pop(seq.request_id, None)
                 self.scheduler.finish(seq, reason)
-            outputs.append(
+            result.outputs.append(
                 StepOutput(
                     request_id=seq.request_id,
                     new_token_ids=[sample.token_id],
@@ -254,7 +262,21 @@ class LLMEngine:
                     offset=seq.num_output_tokens - 1,
                 )
             )
-        return outputs
+        return result
+
+    def _export_filled_blocks(self, seq: Sequence, exported: dict[str, list[int]]) -> None:
+        """Holds the prompt blocks `seq` filled since its last export and lists them."""
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            filled = self.block_manager.blocks_for_tokens(seq.num_prompt_tokens)
+        else:
+            filled = seq.num_computed_tokens // self.block_manager.block_size
+        start = self.num_exported_blocks[seq.request_id]
+        if filled <= start:  # e.g. recomputing after a preemption: already exported
+            return
+        block_ids = seq.block_table[start:filled]
+        self.hold_blocks(block_ids)
+        self.num_exported_blocks[seq.request_id] = filled
+        exported.setdefault(seq.request_id, []).extend(block_ids)
 
     def _fail_culprits(
         self,

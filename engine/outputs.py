@@ -19,6 +19,16 @@ class StepOutput:
 
 
 @dataclass
+class EngineStep:
+    """What one `LLMEngine.step()` did: the tokens it sampled, and the prompt blocks it filled
+    for requests added with `export_prompt_blocks` (request id -> block ids, in prompt order,
+    each held for the caller until it calls `release_blocks`)."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+    exported_blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class RequestOutput:
     """A finished (or, while streaming, partial) generation."""
 

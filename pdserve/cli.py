@@ -5,6 +5,8 @@
   pdserve chat                interactive chat with the model's chat template
   pdserve serve               the OpenAI-compatible HTTP server (router + colocated node)
   pdserve bench serve         load-test an OpenAI-compatible server (python -m bench.serve)
+  pdserve colocated|prefill|decode [flags]
+                              one node that joins a router elsewhere (python -m <role>_node)
 
 Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 """
@@ -16,6 +18,7 @@ import logging
 import os
 import sys
 
+NODE_ROLES = ("colocated", "prefill", "decode")
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
@@ -311,16 +314,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return serve_main(args.bench_args[1:], prog="pdserve bench serve")
 
 
-def cmd_prefill(args: argparse.Namespace) -> int:
-    from prefill_node.__main__ import main as prefill_main
-
-    return prefill_main(args.node_args)
-
-
-def cmd_decode(args: argparse.Namespace) -> int:
-    from decode_node.__main__ import main as decode_main
-
-    return decode_main(["--role", "decode", *args.node_args])
+def cmd_node(role: str, node_args: list[str]) -> int:
+    """One node of `role` that joins a router elsewhere (`python -m {role}_node` flags)."""
+    if role == "prefill":
+        from prefill_node.__main__ import main
+    elif role == "decode":
+        from decode_node.__main__ import main
+    else:
+        from colocated_node.__main__ import main
+    return main(node_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,14 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench", help="serve: load-test any OpenAI-compatible server", add_help=False
     ).add_argument("bench_args", nargs=argparse.REMAINDER)
-    for role in ("prefill", "decode"):
-        joiner = sub.add_parser(
+    for role in NODE_ROLES:
+        sub.add_parser(
             role,
             help=f"one {role} node that joins a router elsewhere (python -m {role}_node flags)",
             add_help=False,
-        )
-        joiner.add_argument("node_args", nargs=argparse.REMAINDER)
-        joiner.set_defaults(run=cmd_prefill if role == "prefill" else cmd_decode)
+        ).add_argument("node_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -406,10 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":  # every later flag belongs to the benchmark
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
-    if argv and argv[0] in ("prefill", "decode"):  # every later flag belongs to the node
-        return (cmd_prefill if argv[0] == "prefill" else cmd_decode)(
-            argparse.Namespace(node_args=argv[1:])
-        )
+    if argv and argv[0] in NODE_ROLES:  # every later flag belongs to the node
+        return cmd_node(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -183,11 +183,11 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     common += ["--heartbeat-interval", str(args.heartbeat_interval)]
     transport = None
     if args.colocated:
-        roles = [("colocated", "decode_node", ["--role", "colocated"])]
+        roles = [("colocated", "colocated_node", [])]
     else:
         transport = choose_kv_transport(args.kv_transport)
         roles = [("prefill", "prefill_node", ["--kv-transport", transport])] * args.prefill
-        decode_flags = ["--role", "decode", "--kv-transport", transport]
+        decode_flags = ["--kv-transport", transport]
         decode_flags += ["--transfer-timeout", str(args.transfer_timeout)]
         decode_flags += ["--queue-timeout", str(args.queue_timeout)]
         roles += [("decode", "decode_node", decode_flags)] * args.decode

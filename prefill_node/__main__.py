@@ -9,30 +9,14 @@ from __future__ import annotations
 
 import sys
 
-from engine.node_cli import node_parser, run_node
+from node.cli import add_kv_flags, node_parser, run_node
+from prefill_node.node import PrefillNode
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = node_parser("python -m prefill_node", __doc__.split("\n\n")[0])
-    parser.add_argument("--kv-transport", default="shm", choices=("shm", "zmq", "cuda_ipc"))
-    args = parser.parse_args(argv)
-
-    def build(config, cluster_auth):
-        from engine.llm_engine import LLMEngine
-        from prefill_node.node import PrefillNode
-
-        return PrefillNode(
-            LLMEngine(config),
-            args.node_id,
-            args.listen,
-            args.router,
-            args.kv_transport,
-            args.heartbeat_interval,
-            args.advertise,
-            cluster_auth,
-        )
-
-    return run_node(args, build)
+    add_kv_flags(parser, receiver=False)
+    return run_node(parser.parse_args(argv), PrefillNode)
 
 
 if __name__ == "__main__":

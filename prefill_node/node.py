@@ -1,38 +1,43 @@
 """The prefill node: chunked prefill against its radix prefix cache, KV blocks written straight
 into the decode node's reserved blocks, the first token to the router at once.
 
-Lifecycle of a request (the loop is node_runtime.py's):
-  PrefillRequest  from a decode node, which already reserved `dst_block_ids` and expects the
-                  transfer until `deadline_s` from now. The node connects a KV sender to that
-                  decode node on first contact (a descriptor mismatch fails the request with a
-                  message naming both values) and queues the prompt (prefill_engine.py). A new
-                  descriptor from a known decode node id (the node was restarted: new channel,
-                  new buffer) replaces that node's sender; the old one's transfers fail.
-  each step       the blocks each chunk completed are written at once (the copy overlaps the
-                  next chunk).
-  first token     to the router as a TokenUpdate with offset 0, and PrefillDone to the decode
-                  node; the prompt's blocks stay in the prefix cache.
-  transfer event  COMPLETE or FAILED from the sender: the written source blocks are released;
-                  on FAILED before the first token the router gets RequestFailed 503 naming
-                  the request (after it, the decode node reports its side's failure).
-  Abort           from the router: the request ends here and its transfer is aborted.
-Requests the decode node stops waiting for end at its deadline on both sides.
+A PrefillRequest comes from a decode node, which already reserved `dst_block_ids` and expects
+the transfer until `deadline_s` from now. The node connects a KV sender to that decode node on
+first contact (a descriptor mismatch fails the request with a message naming both values) and
+queues the prompt (prefill_engine.py). A new descriptor from a known decode node id (the node
+was restarted: new channel, new buffer) replaces that node's sender; the old one's transfers
+fail. A request then moves through these stages (`Stage`, set in `_enter`; the node loop is
+node/runtime.py's):
+  PREFILLING   queued or computing; the blocks each step fills are written at once (the copy
+               overlaps the next chunk). An engine error fails it (RequestFailed 500).
+  TOKEN_SENT   its first token went to the router (a TokenUpdate with offset 0) and to the
+               decode node (PrefillDone); the prompt's blocks stay in the prefix cache; the last
+               writes may still be in flight. After this the decode node alone knows whether its
+               KV committed, so a failure here is its to report.
+  ABORTING     aborted (the router's Abort, or a failure) after blocks were written: the
+               sender's FAILED event, which ends the transfer, releases them.
+It ends on its transfer's COMPLETE or FAILED event (a FAILED while PREFILLING is RequestFailed
+503 to the router), or at once when aborted before any block was written: its source blocks are
+released then. Deadlines: the sender times every stage by the decode node's `deadline_s` (its
+FAILED event ends the request); the node itself times none.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepFailure
-from engine.node_runtime import NodeRuntime
-from engine.sampling_params import SamplingParams
 from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
 from kvtransfer.fingerprint import model_fingerprint
-from prefill_node.prefill_engine import FirstToken, PrefillEngine
-from wire.cluster_auth import ClusterAuth
+from node.config import NodeConfig
+from node.generation import request_params
+from node.runtime import NodeRuntime
+from prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
 from wire.messages import (
     Abort,
     PrefillDone,
@@ -45,37 +50,30 @@ from wire.messages import (
 logger = logging.getLogger(__name__)
 
 
+class Stage(enum.Enum):
+    PREFILLING = "prefilling"
+    TOKEN_SENT = "first token sent"
+    ABORTING = "aborting"
+
+
 @dataclass
 class _Request:
     sender: KVSender
     decode_address: str
     num_prompt_tokens: int
-    aborted: bool = False
-    first_write_at: float | None = None
-    first_token_sent: bool = False
+    stage: Stage = Stage.PREFILLING
+    first_write_at: float | None = None  # when its transfer started (for its duration)
 
 
 class PrefillNode(NodeRuntime):
     role = "prefill"
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        node_id: str,
-        listen_address: str,
-        router_address: str,
-        transport: str,
-        heartbeat_interval: float = 0.5,
-        advertise_address: str | None = None,
-        cluster_auth: ClusterAuth | None = None,
-    ) -> None:
-        super().__init__(
-            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address,
-            cluster_auth=cluster_auth,
-        )
-        self.transport = transport
+    def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
+        engine = LLMEngine(engine_config)
+        super().__init__(engine=engine, config=config)
+        self.transport = config.kv_transport
         self.fingerprint = model_fingerprint(engine.model_config)
-        self.prefill = PrefillEngine(engine, self._write)
+        self.prefill = PrefillEngine(engine)
         self.senders: dict[str, tuple[bytes, KVSender]] = {}
         self.requests: dict[str, _Request] = {}
         self.transfer_failures = 0
@@ -110,10 +108,8 @@ class PrefillNode(NodeRuntime):
         500 for anything else."""
         request_id = message.request_id
         try:
-            if request_id in self.requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
+            params = request_params(request_id, message.sampling, request_id in self.requests)
             sender = self._sender(message.kv_descriptor)
-            params = SamplingParams(**message.sampling)
             self.prefill.add(
                 request_id,
                 message.prompt_token_ids,
@@ -182,49 +178,41 @@ class PrefillNode(NodeRuntime):
         if request is None:
             return
         self.prefill.abort(request_id)
-        request.aborted = True
         if self.prefill.blocks_sent(request_id):
+            self._enter(request, Stage.ABORTING)
             request.sender.abort(request_id)  # its FAILED event releases the blocks
         else:
             self._finish(request_id)
         logger.info("aborted prefill of %s", request_id)
 
-    def _write(self, request_id: str, src: list[int], dst: list[int]) -> None:
-        request = self.requests[request_id]
+    def _enter(self, request: _Request, stage: Stage) -> None:
+        """Moves a request to `stage` (module docstring; the sender times every stage)."""
+        request.stage = stage
+
+    def _write(self, write: BlockWrite) -> None:
+        request = self.requests[write.request_id]
         if request.first_write_at is None:
             request.first_write_at = time.monotonic()
-        request.sender.write(request_id, src, dst)
-        self.transfer_bytes += len(src) * self.engine.runner.kv_cache.spec.bytes_per_block
+        request.sender.write(write.request_id, write.src_block_ids, write.dst_block_ids)
+        num_blocks = len(write.src_block_ids)
+        self.transfer_bytes += num_blocks * self.engine.runner.kv_cache.spec.bytes_per_block
 
     # -- work --------------------------------------------------------------------------------
 
     def work(self) -> None:
         if self.prefill.has_work():
-            try:
-                firsts = self.prefill.step()
-            except StepFailure as failure:  # these alone; the rest of the step runs again
-                for request_id, error in failure.errors.items():
-                    message = f"internal error while prefilling ({type(error).__name__})"
-                    self._fail(request_id, message, 500)
-                firsts = []
-            except Exception:  # fail the requests, keep the node
-                logger.exception("prefill step failed")
-                for request_id in list(self.requests):
-                    self._fail(request_id, "engine error while prefilling", 500)
-                return
-            for first in firsts:
-                self._first_token(first)
+            self._step()
         for _, sender in self.senders.values():
             for event in sender.poll():
                 request = self.requests.get(event.transfer_id)
                 if request is None:
                     continue
-                if event.kind is TransferKind.FAILED and not request.aborted:
+                if event.kind is TransferKind.FAILED and request.stage is not Stage.ABORTING:
                     self.transfer_failures += 1
                     # After PrefillDone the decode node alone knows whether its KV committed
                     # (a lost Committed message fails only this side); it reports its own
                     # failure by its deadline.
-                    if not request.first_token_sent:
+                    if request.stage is Stage.PREFILLING:
                         self.send(
                             RequestFailed(
                                 event.transfer_id, event.error or "KV transfer failed", 503
@@ -235,22 +223,39 @@ class PrefillNode(NodeRuntime):
                     self.transfer_seconds += time.monotonic() - request.first_write_at
                 self._finish(event.transfer_id)
 
+    def _step(self) -> None:
+        try:
+            step = self.prefill.step()
+        except StepFailure as failure:  # these alone; the rest of the step runs again
+            for request_id, error in failure.errors.items():
+                message = f"internal error while prefilling ({type(error).__name__})"
+                self._fail(request_id, message, 500)
+            return
+        except Exception:  # fail the requests, keep the node
+            logger.exception("prefill step failed")
+            for request_id in list(self.requests):
+                self._fail(request_id, "engine error while prefilling", 500)
+            return
+        for write in step.writes:
+            self._write(write)
+        for first in step.first_tokens:
+            self._first_token(first)
+
     def _first_token(self, first: FirstToken) -> None:
         request = self.requests.get(first.request_id)
         if request is None:
             return
         logprobs = [first.logprobs.to_wire()] if first.logprobs is not None else None
         update = TokenUpdate(
-            first.request_id,
-            [first.token_id],
-            None,
-            request.num_prompt_tokens,
-            logprobs,
-            first.num_cached_tokens,
+            request_id=first.request_id,
+            token_ids=[first.token_id],
+            num_prompt_tokens=request.num_prompt_tokens,
+            logprobs=logprobs,
+            num_cached_tokens=first.num_cached_tokens,
             offset=0,
         )
         self.send(TokenBatch(self.node_id, [update]))
-        request.first_token_sent = True
+        self._enter(request, Stage.TOKEN_SENT)
         self.send(
             PrefillDone(first.request_id, first.token_id, logprobs, first.num_cached_tokens),
             request.decode_address,

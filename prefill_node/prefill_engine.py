@@ -5,13 +5,13 @@ Lifecycle of one request:
   add()        queued in the engine with the request's own sampling parameters but
                max_tokens 1, so it ends when its first token is sampled; `dst_block_ids` are
                the blocks the decode node reserved, one per prompt block.
-  each step    after a chunk's forward, the blocks that chunk completed (and, with the last
-               chunk, the partial last block) are handed to `write(request_id, src, dst)` at
-               once, so the copy overlaps the next chunk; the engine holds a reference on every
-               written source block, so neither the request's end nor prefix-cache eviction
-               can reuse it while the transfer may still read it.
-  first token  returned by `step()`; the request is then done in the engine (its prompt blocks
-               stay in the prefix cache) but its written blocks stay held until
+  each step    `step()` returns the blocks the step filled (and, with the last chunk, the
+               partial last block) as `BlockWrite`s to their targets, for the caller to write
+               at once, so the copy overlaps the next chunk; the engine holds a reference on
+               every exported source block (`export_prompt_blocks`), so neither the request's
+               end nor prefix-cache eviction can reuse it while the transfer may still read it.
+  first token  returned by `step()` too; the request is then done in the engine (its prompt
+               blocks stay in the prefix cache) but its exported blocks stay held until
   release()    the owner calls it when the transfer completed or failed.
   abort()      ends the request wherever it is; held blocks stay held until release().
 """
@@ -19,15 +19,11 @@ Lifecycle of one request:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-
-BlockWriter = Callable[[str, list[int], list[int]], None]
 
 
 @dataclass
@@ -39,18 +35,30 @@ class FirstToken:
 
 
 @dataclass
+class BlockWrite:
+    """Filled source blocks of a request and the decode node's blocks they go to."""
+
+    request_id: str
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
+@dataclass
+class PrefillStep:
+    writes: list[BlockWrite] = field(default_factory=list)
+    first_tokens: list[FirstToken] = field(default_factory=list)
+
+
+@dataclass
 class _Outgoing:
     dst_block_ids: list[int]
-    num_blocks_sent: int = 0
-    held_block_ids: list[int] = field(default_factory=list)
+    held_block_ids: list[int] = field(default_factory=list)  # exported: sent or being sent
 
 
 class PrefillEngine:
-    def __init__(self, engine: LLMEngine, write: BlockWriter) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.write = write
         self.outgoing: dict[str, _Outgoing] = {}
-        engine.on_chunk_computed = self._send_completed_blocks
 
     def add(
         self,
@@ -71,14 +79,25 @@ class PrefillEngine:
         first_only = dataclasses.replace(
             params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None
         )
-        self.engine.add_request(request_id, prompt_token_ids, first_only, priority)
+        self.engine.add_request(
+            request_id, prompt_token_ids, first_only, priority, export_prompt_blocks=True
+        )
         self.outgoing[request_id] = _Outgoing(list(dst_block_ids))
 
-    def step(self) -> list[FirstToken]:
-        firsts = []
-        for output in self.engine.step():
+    def step(self) -> PrefillStep:
+        """One engine step: the block writes it made ready (to issue before the first tokens
+        are announced), then the first tokens it sampled."""
+        engine_step = self.engine.step()
+        result = PrefillStep()
+        for request_id, src in engine_step.exported_blocks.items():
+            outgoing = self.outgoing[request_id]
+            start = len(outgoing.held_block_ids)
+            outgoing.held_block_ids.extend(src)
+            dst = outgoing.dst_block_ids[start : start + len(src)]
+            result.writes.append(BlockWrite(request_id, src, dst))
+        for output in engine_step.outputs:
             logprobs = output.new_logprobs[0] if output.new_logprobs else None
-            firsts.append(
+            result.first_tokens.append(
                 FirstToken(
                     output.request_id,
                     output.new_token_ids[0],
@@ -86,7 +105,7 @@ class PrefillEngine:
                     output.num_cached_tokens,
                 )
             )
-        return firsts
+        return result
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -96,28 +115,10 @@ class PrefillEngine:
 
     def blocks_sent(self, request_id: str) -> int:
         outgoing = self.outgoing.get(request_id)
-        return outgoing.num_blocks_sent if outgoing is not None else 0
+        return len(outgoing.held_block_ids) if outgoing is not None else 0
 
     def release(self, request_id: str) -> None:
         """Drops the holds of a request whose transfer completed or failed (idempotent)."""
         outgoing = self.outgoing.pop(request_id, None)
         if outgoing is not None:
             self.engine.release_blocks(outgoing.held_block_ids)
-
-    def _send_completed_blocks(self, seq: Sequence) -> None:
-        outgoing = self.outgoing.get(seq.request_id)
-        if outgoing is None:
-            return
-        block_size = self.engine.block_manager.block_size
-        if seq.num_computed_tokens >= seq.num_prompt_tokens:
-            ready = len(outgoing.dst_block_ids)
-        else:
-            ready = seq.num_computed_tokens // block_size
-        start = outgoing.num_blocks_sent
-        if ready <= start:
-            return
-        src = seq.block_table[start:ready]
-        self.engine.hold_blocks(src)
-        outgoing.held_block_ids.extend(src)
-        outgoing.num_blocks_sent = ready
-        self.write(seq.request_id, src, outgoing.dst_block_ids[start:ready])

@@ -57,12 +57,12 @@ class Cluster:
             "--kv-cache-memory", str(32 << 20), *node_flags,
         ]
         if colocated:
-            roles = [("colocated", "decode_node", ["--role", "colocated"])]
+            roles = [("colocated", "colocated_node", [])]
         else:
             roles = [
                 ("prefill", "prefill_node", ["--kv-transport", kv_transport, *prefill_flags]),
                 ("decode", "decode_node",
-                 ["--role", "decode", "--kv-transport", kv_transport, *decode_flags]),
+                 ["--kv-transport", kv_transport, *decode_flags]),
             ]
         router_argv = [
             sys.executable, "-m", "router", "--model", str(model_dir),

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.node_cli import engine_config, node_parser
 from kvtransfer.transports import cuda_ipc
+from node.cli import engine_config, node_parser
 from pdserve.cli import build_parser
 from pdserve.launcher import launcher_gpus, place_on_gpus, plan_nodes
 

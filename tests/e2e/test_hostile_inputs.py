@@ -51,7 +51,7 @@ def served(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("hostile-node") / "stderr.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "decode_node", "--model", str(tiny_llama_dir), "--listen", listen]
+        [sys.executable, "-m", "colocated_node", "--model", str(tiny_llama_dir), "--listen", listen]
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128".split()
         + ["--num-threads", "1", "--heartbeat-interval", "0.2"],
         cwd=ROOT,
@@ -436,7 +436,7 @@ def run_engine(engine, requests: dict) -> tuple[dict[str, list[int]], dict[str, 
         engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         try:
-            outputs = engine.step()
+            outputs = engine.step().outputs
         except StepFailure as failure:
             failures.update(failure.errors)
             continue
@@ -510,7 +510,9 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
     """Eight requests in flight on a colocated node: the one that breaks the sampler gets a
     500, one whose top_k overflows int64 gets a 400 at admission, and the seven others finish
     with the tokens they would have had on their own."""
-    from decode_node.colocated import ColocatedNode
+    from colocated_node.node import ColocatedNode
+    from engine.config import EngineConfig
+    from node.config import NodeConfig
 
     innocents = innocent_requests()
     outputs = clean_tiny_llm.generate(
@@ -519,8 +521,15 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
     reference = {request_id: o.token_ids for request_id, o in zip(innocents, outputs)}
 
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    config = {"model": str(tiny_llama_dir), "num_kv_blocks": 64}
-    node = ColocatedNode(config, "node-iso", listen, router_address, heartbeat_interval=0.1)
+    node = ColocatedNode(
+        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64),
+        config=NodeConfig(
+            node_id="node-iso",
+            listen_address=listen,
+            router_address=router_address,
+            heartbeat_interval=0.1,
+        ),
+    )
     node.engine.runner.sampler = PoisonedSampler(node.engine.runner.sampler, "poisoned")
     router = Router(zmq.Context(), listen, router_address)
     thread = threading.Thread(target=node.run, daemon=True)
@@ -571,9 +580,7 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
     engine.runner.sampler = PoisonedSampler(engine.runner.sampler, "poisoned")
     written: dict[str, list[int]] = {}
-    prefill = PrefillEngine(
-        engine, lambda request_id, src, dst: written.setdefault(request_id, []).extend(dst)
-    )
+    prefill = PrefillEngine(engine)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     prompts = {f"p{i}": [(7 * i + j) % 500 + 3 for j in range(10 + 9 * i)] for i in range(5)}
     targets = {}
@@ -584,7 +591,10 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
     firsts, failures = {}, {}
     while prefill.has_work():
         try:
-            firsts.update((first.request_id, first.token_id) for first in prefill.step())
+            step = prefill.step()
+            for write in step.writes:
+                written.setdefault(write.request_id, []).extend(write.dst_block_ids)
+            firsts.update((first.request_id, first.token_id) for first in step.first_tokens)
         except StepFailure as failure:
             failures.update(failure.errors)
     assert set(failures) == {"poisoned"} and set(firsts) == set(prompts)

@@ -214,7 +214,7 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
     assert zmq.EVENT_HANDSHAKE_SUCCEEDED in outcomes
     expected_drops = (
         ("router.node_client", len(payloads)),  # the router's PULL
-        ("engine.node_runtime", 2 * len(payloads)),  # both nodes' PULL sockets
+        ("node.runtime", 2 * len(payloads)),  # both nodes' PULL sockets
         ("kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
     )
 

@@ -15,12 +15,7 @@ from prefill_node.prefill_engine import PrefillEngine
 
 def disaggregated_generate(prefill: LLMEngine, decode: LLMEngine, prompts, params_list):
     writes = []
-
-    def copy_blocks(request_id: str, src: list[int], dst: list[int]) -> None:
-        writes.append((request_id, len(src)))
-        decode.runner.kv_cache.buffer[:, :, dst] = prefill.runner.kv_cache.buffer[:, :, src]
-
-    prefill_engine = PrefillEngine(prefill, copy_blocks)
+    prefill_engine = PrefillEngine(prefill)
     targets = {}
     for index, (prompt, params) in enumerate(zip(prompts, params_list)):
         request_id = f"r{index}"
@@ -28,7 +23,12 @@ def disaggregated_generate(prefill: LLMEngine, decode: LLMEngine, prompts, param
         prefill_engine.add(request_id, prompt, params, targets[request_id])
     outputs: dict[str, list[int]] = {}
     while prefill_engine.has_work():
-        for first in prefill_engine.step():
+        step = prefill_engine.step()
+        for write in step.writes:
+            writes.append((write.request_id, len(write.src_block_ids)))
+            src, dst = write.src_block_ids, write.dst_block_ids
+            decode.runner.kv_cache.buffer[:, :, dst] = prefill.runner.kv_cache.buffer[:, :, src]
+        for first in step.first_tokens:
             prefill_engine.release(first.request_id)
             index = int(first.request_id[1:])
             outputs[first.request_id] = [first.token_id]
@@ -41,8 +41,8 @@ def disaggregated_generate(prefill: LLMEngine, decode: LLMEngine, prompts, param
             )
             assert finished is None
     while decode.has_unfinished_requests():
-        for step in decode.step():
-            outputs[step.request_id].extend(step.new_token_ids)
+        for output in decode.step().outputs:
+            outputs[output.request_id].extend(output.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))], writes
 
 

@@ -10,7 +10,7 @@ import torch
 
 import engine
 from engine.config import EngineConfig
-from engine.node_cli import engine_config, node_parser, use_device
+from node.cli import engine_config, node_parser, use_device
 from pdserve.cli import build_parser, cmd_serve
 
 

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import build_model, load_model
 from engine.model_config import ModelConfig
-from engine.node_cli import engine_config, node_parser
+from node.cli import engine_config, node_parser
 from tests.tiny_models import tiny_configs
 
 LLAMA_3_8B = {
@@ -92,7 +92,7 @@ def greedy_tokens(engine: LLMEngine, prompt: list[int], max_tokens: int = 12) ->
     engine.add_request("r", prompt, params)
     tokens: list[int] = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             tokens += output.new_token_ids
     return tokens
 

@@ -24,7 +24,7 @@ def greedy_tokens(engine: LLMEngine, prompt: list[int]) -> list[int]:
     engine.add_request("r", prompt, GREEDY)
     tokens: list[int] = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             tokens += output.new_token_ids
     return tokens
 

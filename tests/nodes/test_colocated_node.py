@@ -1,4 +1,4 @@
-"""The colocated node as a real process on real sockets: `python -m decode_node`.
+"""The colocated node as a real process on real sockets: `python -m colocated_node`.
 
 The test side plays the router: it binds a PULL at the router address and connects a PUSH to
 the node's listen address. One node serves the whole module; its finalizer sends SIGTERM and
@@ -96,7 +96,7 @@ def node(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("node") / "stderr.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "decode_node", "--model", str(tiny_llama_dir), "--listen", listen]
+        [sys.executable, "-m", "colocated_node", "--model", str(tiny_llama_dir), "--listen", listen]
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128".split()
         + ["--heartbeat-interval", "0.2"],
         cwd=ROOT,
@@ -215,11 +215,20 @@ def test_logprobs_have_top_alternatives(node):
 
 
 def test_engine_error_fails_in_flight_requests_and_node_survives(tiny_llama_dir):
-    from decode_node.colocated import ColocatedNode
+    from colocated_node.node import ColocatedNode
+    from engine.config import EngineConfig
+    from node.config import NodeConfig
 
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    config = {"model": str(tiny_llama_dir), "num_kv_blocks": 64}
-    node = ColocatedNode(config, "node-x", listen, router_address, heartbeat_interval=0.1)
+    node = ColocatedNode(
+        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64),
+        config=NodeConfig(
+            node_id="node-x",
+            listen_address=listen,
+            router_address=router_address,
+            heartbeat_interval=0.1,
+        ),
+    )
     real_step, calls = node.engine.step, []
 
     def flaky_step():

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from decode_node.decode import DecodeNode, Stage
+from decode_node.node import DecodeNode, Stage
+from engine.config import EngineConfig
+from node.config import NodeConfig
 from wire.messages import Abort, Generate, PrefillRequest
 
 BLOCK_SIZE = 16
@@ -21,11 +23,14 @@ NUM_BLOCKS = 8
 def node(tiny_llama_dir):
     node_id = f"q{uuid.uuid4().hex[:10]}"
     decode = DecodeNode(
-        {"model": str(tiny_llama_dir), "num_kv_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE},
-        node_id,
-        "tcp://127.0.0.1:1",  # never bound: the loop does not run here
-        "tcp://127.0.0.1:2",
-        "shm",
+        engine_config=EngineConfig(
+            model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
+        ),
+        config=NodeConfig(
+            node_id=node_id,
+            listen_address="tcp://127.0.0.1:1",  # never bound: the loop does not run here
+            router_address="tcp://127.0.0.1:2",
+        ),
     )
     decode.sent = []
     decode.send = lambda message, address=None: decode.sent.append(message)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from decode_node.decode import DecodeNode
+from decode_node.node import DecodeNode
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from kvtransfer import KVDescriptor
 from kvtransfer.transports.shm_segment import segment_name
+from node.config import NodeConfig
 from prefill_node.node import PrefillNode
 from wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
 
@@ -36,19 +36,22 @@ def capture_sends(node) -> None:
 @pytest.fixture
 def nodes(tiny_llama_dir):
     tag = uuid.uuid4().hex[:10]
+    engine_config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS)
     decode = DecodeNode(
-        {"model": str(tiny_llama_dir), "num_kv_blocks": NUM_BLOCKS},
-        f"d{tag}",
-        "tcp://127.0.0.1:1",  # never bound: the loops do not run here
-        "tcp://127.0.0.1:2",
-        "shm",
+        engine_config=engine_config,
+        config=NodeConfig(
+            node_id=f"d{tag}",
+            listen_address="tcp://127.0.0.1:1",  # never bound: the loops do not run here
+            router_address="tcp://127.0.0.1:2",
+        ),
     )
     prefill = PrefillNode(
-        LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS)),
-        f"p{tag}",
-        "tcp://127.0.0.1:3",
-        "tcp://127.0.0.1:2",
-        "shm",
+        engine_config=engine_config,
+        config=NodeConfig(
+            node_id=f"p{tag}",
+            listen_address="tcp://127.0.0.1:3",
+            router_address="tcp://127.0.0.1:2",
+        ),
     )
     capture_sends(decode)
     capture_sends(prefill)

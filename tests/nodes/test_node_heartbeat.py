@@ -13,8 +13,10 @@ import time
 
 import zmq
 
-from decode_node.colocated import ColocatedNode
+from colocated_node.node import ColocatedNode
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from node.config import NodeConfig
 from pdserve.launcher import free_port
 from router.node_registry import NodeRegistry
 from wire.messages import Generate, Heartbeat, NodeStats, decode, encode
@@ -54,13 +56,26 @@ class FakeRouter:
         self.context.term()
 
 
+def colocated_node(
+    tiny_llama_dir, node_id: str, listen: str, router_address: str, stall_limit_s: float = 120.0
+) -> ColocatedNode:
+    return ColocatedNode(
+        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64),
+        config=NodeConfig(
+            node_id=node_id,
+            listen_address=listen,
+            router_address=router_address,
+            heartbeat_interval=HEARTBEAT_S,
+            stall_limit_s=stall_limit_s,
+        ),
+    )
+
+
 def run_node(tiny_llama_dir, step_seconds: float, busy: bool, stall_limit_s: float = 120.0):
     """Starts a node whose first engine step takes `step_seconds` (busy-looping, holding the
     GIL, or sleeping), sends it a request, and returns every message until well after."""
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    config = {"model": str(tiny_llama_dir), "num_kv_blocks": 64}
-    node = ColocatedNode(config, "hb", listen, router_address, heartbeat_interval=HEARTBEAT_S)
-    node.stall_limit_s = stall_limit_s
+    node = colocated_node(tiny_llama_dir, "hb", listen, router_address, stall_limit_s)
     real_step, calls = node.engine.step, []
 
     def slow_step():
@@ -111,8 +126,7 @@ def test_a_wedged_node_loop_stops_heartbeating_until_it_moves_again(tiny_llama_d
 
 def test_an_idle_node_reports_blocks_held_without_a_request_as_leaked(tiny_llama_dir):
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    config = {"model": str(tiny_llama_dir), "num_kv_blocks": 64}
-    node = ColocatedNode(config, "leaky", listen, router_address, heartbeat_interval=HEARTBEAT_S)
+    node = colocated_node(tiny_llama_dir, "leaky", listen, router_address)
     node.engine.reserve_blocks(40)  # three blocks held by nothing that will ever free them
     router = FakeRouter(listen, router_address)
     thread = threading.Thread(target=node.run, daemon=True)
@@ -142,8 +156,7 @@ def test_a_node_announces_itself_only_once_its_warm_up_forward_is_done(tiny_llam
 
     monkeypatch.setattr(LLMEngine, "warm_up", slow_warm_up)
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    config = {"model": str(tiny_llama_dir), "num_kv_blocks": 64}
-    node = ColocatedNode(config, "warm", listen, router_address, heartbeat_interval=HEARTBEAT_S)
+    node = colocated_node(tiny_llama_dir, "warm", listen, router_address)
     router = FakeRouter(listen, router_address)
     thread = threading.Thread(target=node.run, daemon=True)
     thread.start()

@@ -136,7 +136,7 @@ def test_kv_channel_with_the_secret_transfers_and_without_it_never_gets_a_grant(
     [
         ["-m", "prefill_node", "--node-id", "p", "--listen", "tcp://0.0.0.0:{port}",
          "--router", "tcp://127.0.0.1:{port}"],
-        ["-m", "decode_node", "--role", "decode", "--node-id", "d", "--listen",
+        ["-m", "decode_node", "--node-id", "d", "--listen",
          "tcp://127.0.0.1:{port}", "--router", "tcp://127.0.0.1:{port}",
          "--kv-listen", "tcp://0.0.0.0:0"],
         ["-m", "prefill_node", "--node-id", "p", "--listen", "tcp://127.0.0.1:{port}",

@@ -4,13 +4,13 @@ Sockets (addresses come from the constructor; nothing is module-global):
   PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `wire.messages`)
   PUSH, connected to `router_address` -> router: TokenBatch, RequestFailed, NodeStats
   PUSH per peer address, on first use -> other nodes (PrefillRequest, PrefillDone)
-  PUSH of the heartbeat thread        -> router: Heartbeat (engine/heartbeat.py), every
+  PUSH of the heartbeat thread        -> router: Heartbeat (node/heartbeat.py), every
                                          `heartbeat_interval`, during long engine steps too
 
 Start: the engine warms up when the runtime is built (`LLMEngine.warm_up`), before anything is
 sent: a first forward's one-time costs (kernel JIT compilation, library and allocator set-up)
 may hold the GIL long enough to starve the heartbeat thread, so they are paid before the first
-NodeStats registers the node with the router (engine/heartbeat.py).
+NodeStats registers the node with the router (node/heartbeat.py).
 
 Loop (`run()` until `stop()`):
   1. poll the PULL socket for up to `poll_timeout_ms()` (0 while `busy()`, else IDLE_POLL_MS),
@@ -40,9 +40,9 @@ from typing import Any, ClassVar
 
 import zmq
 
-from engine.heartbeat import DEFAULT_STALL_LIMIT_S, HeartbeatThread
 from engine.llm_engine import LLMEngine
-from wire.cluster_auth import ClusterAuth
+from node.config import NodeConfig
+from node.heartbeat import HeartbeatThread
 from wire.messages import Heartbeat, NodeStats, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -52,28 +52,18 @@ MAX_OUTBOX = 100_000
 
 
 class NodeRuntime:
+    """The loop and sockets of one node; the roles (colocated_node/, prefill_node/,
+    decode_node/) subclass it and fill in the hooks below."""
+
     role: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        node_id: str,
-        listen_address: str,
-        router_address: str,
-        heartbeat_interval: float = 0.5,
-        advertise_address: str | None = None,
-        stall_limit_s: float = DEFAULT_STALL_LIMIT_S,
-        cluster_auth: ClusterAuth | None = None,
-    ) -> None:
+    def __init__(self, *, engine: LLMEngine, config: NodeConfig) -> None:
         self.engine = engine
-        self.cluster_auth = cluster_auth or ClusterAuth.none()
-        self.node_id = node_id
+        self.config = config
+        self.cluster_auth = config.cluster_auth
+        self.node_id = config.node_id
         self.instance_id = uuid.uuid4().hex[:16]
-        self.listen_address = listen_address
-        self.advertise_address = advertise_address or listen_address
-        self.router_address = router_address
-        self.heartbeat_interval = heartbeat_interval
-        self.stall_limit_s = stall_limit_s
+        self.advertise_address = config.reachable_address
         self.num_leaked_blocks = 0
         self._stop = threading.Event()
         self._outbox: collections.deque[tuple[Any, bytes]] = collections.deque()
@@ -116,29 +106,30 @@ class NodeRuntime:
         self._context = zmq.Context()
         self._pull = self.cluster_auth.secure_server(self._context.socket(zmq.PULL))
         self._push = self.cluster_auth.secure_client(self._context.socket(zmq.PUSH))
+        config = self.config
         heartbeat = HeartbeatThread(
             self._context,
-            self.router_address,
-            self.heartbeat_interval,
+            config.router_address,
+            config.heartbeat_interval,
             Heartbeat(self.node_id, self.instance_id),
-            self.stall_limit_s,
+            config.stall_limit_s,
             self.cluster_auth,
         )
         try:
-            self._pull.bind(self.listen_address)
-            self._push.connect(self.router_address)
+            self._pull.bind(config.listen_address)
+            self._push.connect(config.router_address)
             poller = zmq.Poller()
             poller.register(self._pull, zmq.POLLIN)
             logger.info(
                 "%s node %s listening on %s, sending to %s",
                 self.role,
                 self.node_id,
-                self.listen_address,
-                self.router_address,
+                config.listen_address,
+                config.router_address,
             )
             self.send_stats()
             heartbeat.start()
-            next_stats = next_leak_check = time.monotonic() + self.heartbeat_interval
+            next_stats = next_leak_check = time.monotonic() + config.heartbeat_interval
             while not self._stop.is_set():
                 if poller.poll(self.poll_timeout_ms()):
                     self._drain()
@@ -148,10 +139,10 @@ class NodeRuntime:
                 now = time.monotonic()
                 if now >= next_leak_check and self.idle():
                     self.num_leaked_blocks = self.check_leaks()
-                    next_leak_check = now + self.heartbeat_interval
+                    next_leak_check = now + config.heartbeat_interval
                 if now >= next_stats:
                     self.send_stats()
-                    next_stats = now + self.heartbeat_interval
+                    next_stats = now + config.heartbeat_interval
         finally:
             heartbeat.stop()
             self.shutdown()

@@ -1,4 +1,4 @@
-"""The decode node: a colocated node whose prompts are computed by prefill nodes.
+"""The decode node: it decodes prompts that prefill nodes computed (node loop: node/runtime.py).
 
 Its KV cache lives where prefill nodes can write it (the KV receiver allocates and registers it
 once, kvtransfer/base.py). A disaggregated request (Generate with a `prefill_address`; one
@@ -22,8 +22,9 @@ all set in `_enter`:
                       503 unless it aborted the request itself; the blocks return to the engine
                       only at RELEASED, when no late write can land in them any more. Aborting
                       a committed transfer returns its blocks at once (nothing can write them).
-Then the request runs as in a colocated node, tokens streamed from offset 1 (the prefill node
-sent offset 0), with its arrival time here as its rank. A preempted request recomputes locally.
+Then the request runs as in a colocated node (node/generation.py), tokens streamed from offset 1
+(the prefill node sent offset 0), with its arrival time here as its rank. A preempted request
+recomputes locally; a Generate without `prefill_address` is computed here from the start.
 A dead prefill node is noticed by the router, which aborts (and may retry under a new id) its
 requests here: blocks never granted to it return at once, granted ones at RELEASED (its
 deadline + grace, as it can no longer abandon them). While idle (nothing pending) the node
@@ -37,26 +38,18 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from decode_node.colocated import ColocatedNode, build_engine
 from engine.config import EngineConfig
-from engine.node_runtime import IDLE_POLL_MS
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
 from kvtransfer.fingerprint import model_fingerprint
-from wire.cluster_auth import ClusterAuth
-from wire.messages import (
-    Abort,
-    Generate,
-    PrefillDone,
-    PrefillRequest,
-    RequestFailed,
-    TokenBatch,
-    TokenUpdate,
-)
+from node.config import NodeConfig
+from node.generation import Generation, request_params
+from node.runtime import IDLE_POLL_MS, NodeRuntime
+from wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -82,43 +75,25 @@ class PendingPrefill:
     first: PrefillDone | None = None
 
 
-class DecodeNode(ColocatedNode):
+class DecodeNode(NodeRuntime):
     role = "decode"
 
-    def __init__(
-        self,
-        engine_config: EngineConfig | Mapping[str, Any],
-        node_id: str,
-        listen_address: str,
-        router_address: str,
-        transport: str,
-        kv_bind_address: str = "tcp://127.0.0.1:0",
-        transfer_timeout_s: float = 30.0,
-        heartbeat_interval: float = 0.5,
-        advertise_address: str | None = None,
-        cluster_auth: ClusterAuth | None = None,
-        queue_timeout_s: float = 120.0,
-    ) -> None:
-        for name, seconds in (("transfer", transfer_timeout_s), ("queue", queue_timeout_s)):
-            if not 0 < seconds < float("inf"):
-                raise ValueError(f"the {name} timeout is {seconds} s; expected a positive time")
+    def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
         self.receiver = ChannelReceiver(
-            transport,
+            config.kv_transport,
             ReceiverConfig(
-                node_id=node_id,
-                bind_address=kv_bind_address,
-                cluster_auth=cluster_auth or ClusterAuth.none(),
+                node_id=config.node_id,
+                bind_address=config.kv_listen_address,
+                cluster_auth=config.cluster_auth,
             ),
         )
-        engine = build_engine(engine_config, kv_cache_factory=self.receiver.allocate_kv_cache)
-        super().__init__(
-            engine, node_id, listen_address, router_address, heartbeat_interval, advertise_address,
-            cluster_auth=cluster_auth,
-        )
+        engine = LLMEngine(engine_config, kv_cache_factory=self.receiver.allocate_kv_cache)
+        super().__init__(engine=engine, config=config)
+        self.generation = Generation(engine, config.node_id)
         self.fingerprint = model_fingerprint(engine.model_config)
         self.descriptor = self.receiver.register(engine.runner.kv_cache, self.fingerprint)
-        self.transfer_timeout_s = transfer_timeout_s
-        self.queue_timeout_s = queue_timeout_s
+        self.transfer_timeout_s = config.transfer_timeout_s
+        self.queue_timeout_s = config.queue_timeout_s
         self.pending: dict[str, PendingPrefill] = {}
         self.waiting_for_blocks: list[tuple[tuple[float, ...], str]] = []  # sorted by rank
         self._arrival_numbers = itertools.count()
@@ -128,7 +103,7 @@ class DecodeNode(ColocatedNode):
 
     def stats_fields(self) -> dict[str, Any]:
         return {
-            **super().stats_fields(),
+            **self.generation.stats_fields(),
             "num_waiting": len(self.engine.scheduler.waiting) + len(self.pending),
             "model_fingerprint": self.fingerprint,
             "kv_transfer_failures_total": self.transfer_failures,
@@ -196,15 +171,20 @@ class DecodeNode(ColocatedNode):
                 self._join_when_ready(message.request_id)
         elif isinstance(message, Abort) and message.request_id in self.pending:
             self._abort_pending(message.request_id)
+        elif isinstance(message, Abort):
+            self.generation.abort(message.request_id)
+        elif isinstance(message, Generate):
+            refusal = self.generation.admit(message)
+            if refusal is not None:
+                self.send(refusal)
         else:
             super().handle(message)
 
     def _admit_disaggregated(self, message: Generate) -> None:
         request_id = message.request_id
         try:
-            if request_id in self.pending or request_id in self.engine.sequences:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            params = SamplingParams(**message.sampling)
+            in_use = request_id in self.pending or self.generation.in_use(request_id)
+            params = request_params(request_id, message.sampling, in_use)
             self.engine.validate_prompt(message.prompt_token_ids, params)
         except (ValueError, TypeError, OverflowError) as error:
             logger.info("rejected request %s: %s", request_id, error)
@@ -216,7 +196,7 @@ class DecodeNode(ColocatedNode):
         pending = PendingPrefill(message, params, now, rank)
         self.pending[request_id] = pending
         self._enter(request_id, pending, Stage.WAITING_FOR_BLOCKS, now)
-        self.prompt_tokens_total += len(message.prompt_token_ids)
+        self.generation.prompt_tokens_total += len(message.prompt_token_ids)
 
     def _abort_pending(self, request_id: str) -> None:
         pending = self.pending[request_id]
@@ -243,7 +223,8 @@ class DecodeNode(ColocatedNode):
         now = time.monotonic()
         self._expire(now)
         self._reserve_blocks(now)
-        super().work()
+        for message in self.generation.step():
+            self.send(message)
 
     def _reserve_blocks(self, now: float) -> None:
         """Reserves blocks for the waiting requests in rank order; the first that does not fit
@@ -260,14 +241,14 @@ class DecodeNode(ColocatedNode):
             self._enter(request_id, pending, Stage.TRANSFERRING, now)
             self.send(
                 PrefillRequest(
-                    request_id,
-                    prompt,
-                    pending.message.sampling,
-                    block_ids,
-                    self.advertise_address,
-                    self.descriptor.encode(),
-                    self.transfer_timeout_s,
-                    pending.message.priority,
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=pending.message.sampling,
+                    dst_block_ids=block_ids,
+                    decode_address=self.advertise_address,
+                    kv_descriptor=self.descriptor.encode(),
+                    deadline_s=self.transfer_timeout_s,
+                    priority=pending.message.priority,
                 ),
                 pending.message.prefill_address,
             )
@@ -297,36 +278,16 @@ class DecodeNode(ColocatedNode):
         if pending.stage is not Stage.COMMITTED or pending.first is None:
             return
         del self.pending[request_id]
-        message, first = pending.message, pending.first
         try:
-            reason = self.engine.add_prefilled_request(
-                request_id,
-                message.prompt_token_ids,
-                pending.params,
-                pending.block_ids,
-                first.token_id,
-                first.num_cached_tokens,
-                message.priority,
-                arrival_time=pending.arrived,
+            batch = self.generation.join(
+                pending.message, pending.params, pending.block_ids, pending.first, pending.arrived
             )
         except ValueError as error:
             self.engine.release_blocks(pending.block_ids)
             self._fail(request_id, f"cannot join the batch: {error}", 500)
             return
-        self.generation_tokens_total += 1
-        if reason is not None:
-            update = TokenUpdate(
-                request_id,
-                [],
-                reason,
-                len(message.prompt_token_ids),
-                None,
-                first.num_cached_tokens,
-                offset=1,
-            )
-            self.send(TokenBatch(self.node_id, [update]))
-            return
-        self.active.add(request_id)
+        if batch is not None:
+            self.send(batch)
 
     def _fail(self, request_id: str, message: str, status: int = 503) -> None:
         logger.warning("request %s failed: %s", request_id, message)

@@ -1,10 +1,10 @@
 """What every node's command line shares: engine flags, node addresses, signals, logging.
 
-`python -m decode_node` (colocated or decode) and `python -m prefill_node` build their parser
-with `node_parser`, then call `run_node(args, build)`: logging to stderr at INFO, SIGTERM and
-SIGINT handlers installed before the (slow) model load, then `build(config, cluster_auth)`
-makes the node and `run()` serves until a signal; the exit status is 0, or 2 for invalid
-settings. The cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here,
+`python -m colocated_node`, `python -m prefill_node` and `python -m decode_node` build their
+parser with `node_parser` (plus `add_kv_flags` for the roles that move KV), then call
+`run_node(args, role)`: logging to stderr at INFO, SIGTERM and SIGINT handlers installed before
+the (slow) model load, then `role(engine_config=..., config=...)` makes the node and `run()`
+serves until a signal; the exit status is 0, or 2 for invalid settings. The cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here,
 once; without one every address the node binds, advertises or dials must be a loopback one.
 
 Device: a node runs on `--device` (default: the first GPU it sees, else the CPU), made the
@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from engine.config import LOAD_FORMATS, EngineConfig
+from kvtransfer import TRANSPORT_NAMES
+from node.config import NodeConfig
 from wire.cluster_auth import SECRET_ENV, ClusterAuth
 
 _ENGINE_OPTIONS = (
@@ -120,6 +122,45 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_kv_flags(parser: argparse.ArgumentParser, *, receiver: bool) -> None:
+    """The KV transfer flags: the transport (both ends), and the receiving end's channel
+    address and deadlines (decode nodes)."""
+    defaults = NodeConfig(node_id="-", listen_address="-", router_address="-")
+    parser.add_argument("--kv-transport", default=defaults.kv_transport, choices=TRANSPORT_NAMES)
+    if not receiver:
+        return
+    parser.add_argument(
+        "--kv-listen", default=defaults.kv_listen_address, help="KV channel bind address"
+    )
+    parser.add_argument(
+        "--transfer-timeout", type=float, default=defaults.transfer_timeout_s, metavar="SECONDS",
+        help="a KV transfer's deadline from its first write; the first token's after the KV "
+        f"arrived (default {defaults.transfer_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--queue-timeout", type=float, default=defaults.queue_timeout_s, metavar="SECONDS",
+        help="the wait for free KV blocks, then for the prefill node to start (default "
+        f"{defaults.queue_timeout_s:g})",
+    )
+
+
+def node_config(args: argparse.Namespace, auth: ClusterAuth) -> NodeConfig:
+    """ValueError for settings out of range."""
+    defaults = NodeConfig(node_id="-", listen_address="-", router_address="-")
+    return NodeConfig(
+        node_id=args.node_id,
+        listen_address=args.listen,
+        router_address=args.router,
+        advertise_address=args.advertise,
+        heartbeat_interval=args.heartbeat_interval,
+        cluster_auth=auth,
+        kv_transport=getattr(args, "kv_transport", defaults.kv_transport),
+        kv_listen_address=getattr(args, "kv_listen", defaults.kv_listen_address),
+        transfer_timeout_s=getattr(args, "transfer_timeout", defaults.transfer_timeout_s),
+        queue_timeout_s=getattr(args, "queue_timeout", defaults.queue_timeout_s),
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     options = {
         name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None
@@ -161,18 +202,14 @@ def use_device(device: torch.device) -> None:
     torch.cuda.set_device(device)
 
 
-def run_node(
-    args: argparse.Namespace, build: Callable[[EngineConfig, ClusterAuth], Any]
-) -> int:
+def run_node(args: argparse.Namespace, role: Callable[..., Any]) -> int:
+    """Runs the node `role(engine_config=..., config=...)` builds until a signal."""
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logger = logging.getLogger("node")
-    if args.heartbeat_interval <= 0:
-        logger.error("--heartbeat-interval must be positive")
-        return 2
     signals: list[int] = []
     node = None
 
@@ -186,13 +223,14 @@ def run_node(
     signal.signal(signal.SIGINT, on_signal)
     try:
         auth = cluster_auth(args)
-        config = engine_config(args)
-        use_device(config.resolve_device())
+        config = node_config(args, auth)
+        engine = engine_config(args)
+        use_device(engine.resolve_device())
     except ValueError as error:
         logger.error("invalid settings: %s", error)
         return 2
-    logger.info("loading model %s", config.model or "(default)")
-    node = build(config, auth)
+    logger.info("loading model %s", engine.model or "(default)")
+    node = role(engine_config=engine, config=config)
     if not signals:
         node.run()
     logger.info("exiting on %s", signal.Signals(signals[0]).name if signals else "stop")

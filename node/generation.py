@@ -1,0 +1,171 @@
+"""The requests a node generates in its own engine (colocated and decode nodes), and the token
+batches they stream to the router.
+
+Lifecycle of a request here:
+  admitted   a Generate whose prompt this engine computes (`admit`: a bad request is refused
+             alone, RequestFailed 400, or 500 for anything unexpected), or
+  joined     a prompt a prefill node computed, whose KV already sits in `block_ids` (`join`,
+             decode nodes): it starts decoding after its first token, so its tokens stream
+             from offset 1;
+  active     every engine step's outputs become ONE TokenBatch (a TokenUpdate per request);
+  ended      by its finish reason, by `abort` (the router's Abort), or by a failed step: a
+             request that fails the step on its own (engine.llm_engine.StepFailure names it;
+             the engine already ended it) gets RequestFailed 500 and the others run again on
+             the next step; any other exception fails every active request (500) and aborts
+             it, and the node goes on.
+`step()` and the others return the messages for the router; the node sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.llm_engine import LLMEngine, StepFailure
+from engine.outputs import StepOutput
+from engine.sampling_params import SamplingParams
+from wire.messages import Generate, PrefillDone, RequestFailed, TokenBatch, TokenUpdate
+
+logger = logging.getLogger(__name__)
+
+
+def request_params(request_id: str, sampling: dict[str, Any], in_use: bool) -> SamplingParams:
+    """The checks every role makes before taking a request: its id is not in use here and its
+    sampling settings are valid. ValueError or TypeError (the request's 400) otherwise."""
+    if in_use:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    return SamplingParams(**sampling)
+
+
+class Generation:
+    def __init__(self, engine: LLMEngine, node_id: str) -> None:
+        self.engine = engine
+        self.node_id = node_id
+        self.active: set[str] = set()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def in_use(self, request_id: str) -> bool:
+        return request_id in self.active or request_id in self.engine.sequences
+
+    def admit(self, message: Generate) -> RequestFailed | None:
+        """Queues a request whose prompt this engine computes; its refusal, if refused."""
+        request_id = message.request_id
+        try:
+            params = request_params(request_id, message.sampling, self.in_use(request_id))
+            self.engine.add_request(
+                request_id, message.prompt_token_ids, params, message.priority
+            )
+        except (ValueError, TypeError) as error:
+            logger.info("rejected request %s: %s", request_id, error)
+            return RequestFailed(request_id, str(error), 400)
+        except Exception as error:  # a bad request must not kill the node
+            logger.exception("failed to admit request %s", request_id)
+            return RequestFailed(request_id, f"internal error: {error}", 500)
+        self.active.add(request_id)
+        self.prompt_tokens_total += len(message.prompt_token_ids)
+        logger.info(
+            "admitted request %s (%d prompt tokens, max_tokens %d)",
+            request_id,
+            len(message.prompt_token_ids),
+            params.max_tokens,
+        )
+        return None
+
+    def join(
+        self,
+        message: Generate,
+        params: SamplingParams,
+        block_ids: list[int],
+        first: PrefillDone,
+        arrival_time: float,
+    ) -> TokenBatch | None:
+        """Starts decoding a request prefilled elsewhere, from its first token; the batch that
+        ends it when the first token already did. ValueError if the engine cannot take it
+        (the caller still owns `block_ids` then)."""
+        request_id = message.request_id
+        reason = self.engine.add_prefilled_request(
+            request_id,
+            message.prompt_token_ids,
+            params,
+            block_ids,
+            first.token_id,
+            first.num_cached_tokens,
+            message.priority,
+            arrival_time=arrival_time,
+        )
+        self.generation_tokens_total += 1
+        if reason is None:
+            self.active.add(request_id)
+            return None
+        update = TokenUpdate(
+            request_id=request_id,
+            token_ids=[],
+            finish_reason=reason,
+            num_prompt_tokens=len(message.prompt_token_ids),
+            num_cached_tokens=first.num_cached_tokens,
+            offset=1,
+        )
+        return TokenBatch(self.node_id, [update])
+
+    def abort(self, request_id: str) -> bool:
+        """Ends an active request; False if it is not one."""
+        if request_id not in self.active:
+            return False
+        self.active.discard(request_id)
+        self.engine.abort_request(request_id)
+        logger.info("aborted request %s", request_id)
+        return True
+
+    def step(self) -> list[TokenBatch | RequestFailed]:
+        """One engine step, if there is work; the messages it produced for the router."""
+        if not self.engine.has_unfinished_requests():
+            return []
+        try:
+            outputs = self.engine.step().outputs
+        except StepFailure as failure:
+            failed = []
+            for request_id, error in failure.errors.items():
+                if request_id in self.active:
+                    self.active.discard(request_id)
+                    message = f"internal error while generating ({type(error).__name__})"
+                    failed.append(RequestFailed(request_id, message, 500))
+            return failed
+        except Exception:  # fail the requests, keep the node
+            logger.exception("engine step failed; failing %d in-flight requests", len(self.active))
+            return self._fail_all("engine error while generating")
+        if not outputs:
+            return []
+        return [TokenBatch(self.node_id, [self._update(output) for output in outputs])]
+
+    def _update(self, output: StepOutput) -> TokenUpdate:
+        self.generation_tokens_total += len(output.new_token_ids)
+        if output.finish_reason is not None:
+            self.active.discard(output.request_id)
+            logger.info("finished request %s (%s)", output.request_id, output.finish_reason)
+        return TokenUpdate(
+            request_id=output.request_id,
+            token_ids=list(output.new_token_ids),
+            finish_reason=output.finish_reason,
+            num_prompt_tokens=output.num_prompt_tokens,
+            logprobs=[lp.to_wire() for lp in output.new_logprobs] or None,
+            num_cached_tokens=output.num_cached_tokens,
+            offset=output.offset,
+        )
+
+    def _fail_all(self, message: str) -> list[RequestFailed]:
+        failed = []
+        for request_id in sorted(self.active):
+            failed.append(RequestFailed(request_id, message, 500))
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort request %s", request_id)
+        self.active.clear()
+        return failed
+
+    def stats_fields(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+        }
