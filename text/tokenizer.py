@@ -1,9 +1,10 @@
 """A model folder's tokenizer, read with the `tokenizers` library (no transformers, no torch).
 
 `load_tokenizer(folder)` reads `tokenizer.json` (the fast tokenizer every Hugging Face model
-ships), the special tokens, `add_bos_token`/`add_eos_token` and `clean_up_tokenization_spaces`
+ships; its post-processor adds BOS/EOS), the special tokens and `clean_up_tokenization_spaces`
 from `tokenizer_config.json`, and the chat template from `chat_template.jinja` or
-`tokenizer_config.json`. Encoding, decoding and the chat template give what transformers'
+`tokenizer_config.json`. Like transformers 5, it does not rebuild the post-processor from
+`add_bos_token`/`add_eos_token`. Encoding, decoding and the chat template give what transformers'
 `AutoTokenizer` gives for the same folder (tests/text compares them).
 """
 
@@ -15,7 +16,6 @@ from typing import Any
 
 import jinja2
 from tokenizers import Tokenizer as Backend
-from tokenizers import processors
 
 from text.chat_template import compile_template, render_chat
 
@@ -94,12 +94,6 @@ class Tokenizer:
         special_tokens = {
             key: text for key in SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))
         }
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            backend.post_processor = _bos_eos_processor(
-                backend,
-                special_tokens.get("bos_token") if config.get("add_bos_token") else None,
-                special_tokens.get("eos_token") if config.get("add_eos_token") else None,
-            )
         return cls(
             backend,
             special_tokens=special_tokens,
@@ -135,22 +129,6 @@ class Tokenizer:
             raise ValueError("the model has no chat template; use a plain prompt instead")
         text = render_chat(self._compiled_template, messages, self.special_tokens)
         return self.encode(text, add_special_tokens=False)
-
-
-def _bos_eos_processor(backend: Backend, bos: str | None, eos: str | None) -> Any:
-    """The post-processor transformers builds from add_bos_token / add_eos_token."""
-    bos_id = backend.token_to_id(bos) if bos else None
-    eos_id = backend.token_to_id(eos) if eos else None
-    single = " ".join(
-        [*([f"{bos}:0"] if bos_id is not None else []), "$A:0"]
-        + ([f"{eos}:0"] if eos_id is not None else [])
-    )
-    pair = " ".join(
-        [single, *([f"{bos}:1"] if bos_id is not None else []), "$B:1"]
-        + ([f"{eos}:1"] if eos_id is not None else [])
-    )
-    special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if i is not None]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:
