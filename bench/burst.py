@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(raw)
     machine = machine_info()
     if args.model is None:
-        from engine.default_model import ensure_default_model
+        from model_store.default_model import ensure_default_model
 
         vocab = load_vocabulary(str(ensure_default_model()), None)
     else:

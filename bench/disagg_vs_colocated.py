@@ -60,7 +60,7 @@ def make_requests(vocab: list[int], count: int, rate: float, args) -> list[LoadR
 
 
 def vocabulary(model: str | None) -> list[int]:
-    from engine.default_model import ensure_default_model
+    from model_store.default_model import ensure_default_model
     from text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model) if model else ensure_default_model())

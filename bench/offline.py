@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_model(model: str | None) -> Path:
     if model is not None:
         return Path(model)
-    from engine.default_model import ensure_default_model
+    from model_store.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -52,7 +52,7 @@ def load_vocabulary(tokenizer: str | None, vocab_size: int | None) -> Vocabulary
         return range_vocabulary(vocab_size)
     if tokenizer is not None:
         return tokenizer_vocabulary(tokenizer)
-    from engine.default_model import default_model_dir, is_model_folder_complete
+    from model_store.default_model import default_model_dir, is_model_folder_complete
 
     folder = default_model_dir()
     if not is_model_folder_complete(folder):

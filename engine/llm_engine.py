@@ -76,7 +76,7 @@ class StepFailure(Exception):
 
 def _resolve_model_path(model: str | None) -> Path:
     if model is None:
-        from engine.default_model import ensure_default_model
+        from model_store.default_model import ensure_default_model
 
         return ensure_default_model()
     return Path(model)

@@ -236,7 +236,7 @@ def _print_stream(pieces) -> str:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from engine.default_model import ensure_default_model
+    from model_store.default_model import ensure_default_model
 
     print(ensure_default_model())
     return 0

@@ -228,7 +228,7 @@ def serve(args: argparse.Namespace) -> int:
     """Starts the nodes and the router; runs until interrupted; returns the exit status."""
     model = served_name = args.model
     if model is None:
-        from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from model_store.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
     router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"

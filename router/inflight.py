@@ -1,12 +1,32 @@
-"""One request in flight on the nodes, as the router's node client tracks it."""
+"""The requests in flight on the nodes, as the router's node client tracks them: which nodes
+serve each, the id the nodes know it by, and its token updates put back in output order.
+
+A request is tracked from `add()` (once its Generate was sent, router/node_client.py) until
+`forget()`: its last token was delivered, it failed, or it was aborted. Until its first token
+is delivered (`started`) it waits in the prompt queue of the node computing its prompt
+(router/queue_delay.py); the table takes it out of that queue when it starts, when its attempt
+is given up, and when it is forgotten.
+
+Ids: the nodes know a request by its wire id, the request's own id for the first attempt and
+`<id>~<attempt>` for a retry, so nothing of an attempt given up can be mistaken for the
+current one: `lookup()` finds the request only under the wire id of its current attempt.
+
+Order: the first token comes from the prefill node and the rest from the decode node, so an
+update can arrive ahead of its offset; it waits in the entry's `early` until every update
+before it was delivered.
+
+Dependence: a request needs its decode (or colocated) node throughout and its prefill node
+until its first token; `lost_with()` names the requests a node's death or restart loses.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from router.node_registry import NodeState
+from router.queue_delay import PromptQueues
 from wire.messages import Generate, TokenUpdate
 
 
@@ -15,9 +35,8 @@ class InFlight:
     """A request sent to `node` (decode or colocated), and to `prefill` in disaggregated mode.
 
     Updates are delivered to `queue` in output order: one arriving ahead of `next_offset` waits
-    in `early` (the first token comes from the prefill node, the rest from the decode node).
-    A retry (router/node_client.py) sends `request` again under a new `wire_id`, the id the
-    nodes then know it by, avoiding the prefill nodes in `failed_prefills` when it can."""
+    in `early`. A retry (router/node_client.py) sends `request` again under a new `wire_id`, the
+    id the nodes then know it by, avoiding the prefill nodes in `failed_prefills` when it can."""
 
     queue: asyncio.Queue
     node: NodeState
@@ -26,8 +45,118 @@ class InFlight:
     started: bool = False  # whether any token (or failure) arrived yet
     next_offset: int = 0
     early: dict[int, TokenUpdate] = field(default_factory=dict)
-    submitted_at: float = field(default_factory=time.monotonic)
     request: Generate | None = None
     wire_id: str | None = None
     attempts: int = 1
     failed_prefills: set[str] = field(default_factory=set)
+
+
+class InFlightTable:
+    def __init__(self, prompt_queues: PromptQueues, clock: Callable[[], float]) -> None:
+        self.prompt_queues = prompt_queues
+        self.clock = clock
+        self.entries: dict[str, InFlight] = {}
+        self.retry_ids: dict[str, str] = {}  # a retry's wire id -> the request's id
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.entries
+
+    def items(self) -> list[tuple[str, InFlight]]:
+        """A snapshot: requests may be forgotten or retried while it is walked."""
+        return list(self.entries.items())
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests that have not produced a token yet."""
+        return sum(1 for entry in self.entries.values() if not entry.started)
+
+    def add(self, request_id: str, entry: InFlight) -> None:
+        self.entries[request_id] = entry
+
+    def sent(
+        self,
+        request_id: str,
+        entry: InFlight,
+        node: NodeState,
+        prefill: NodeState | None,
+        computing: NodeState,
+        num_tokens: int,
+    ) -> None:
+        """The request went to `node`, naming `prefill`; it waits in `computing`'s prompt
+        queue, with `num_tokens` prompt tokens to compute, until it starts."""
+        entry.node, entry.prefill, entry.queued_at = node, prefill, computing
+        self.prompt_queues.add(computing, request_id, num_tokens, self.clock())
+
+    def lookup(self, wire_id: str) -> tuple[str, InFlight] | None:
+        """The request a node message is about, unless it is about an attempt given up."""
+        request_id = self.retry_ids.get(wire_id, wire_id)
+        entry = self.entries.get(request_id)
+        if entry is None or (entry.wire_id or request_id) != wire_id:
+            return None
+        return request_id, entry
+
+    def deliver(self, update: TokenUpdate) -> None:
+        """Puts a node's update, and every early one it lets through, on its request's queue
+        in output order; the update that finishes the request forgets it."""
+        found = self.lookup(update.request_id)
+        if found is None or update.offset < found[1].next_offset:
+            return  # aborted, unknown, an attempt given up, or already delivered
+        request_id, entry = found
+        update.request_id = request_id
+        entry.early[update.offset] = update
+        while entry.next_offset in entry.early:
+            ready = entry.early.pop(entry.next_offset)
+            self._start(request_id, entry)
+            entry.next_offset += len(ready.token_ids)
+            entry.queue.put_nowait(ready)
+            if ready.finish_reason is not None:
+                self.forget(request_id)
+                return
+
+    def forget(self, request_id: str) -> InFlight | None:
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return None
+        if not entry.started:
+            entry.started = True  # no token can reach the client any more
+            if entry.queued_at is not None:
+                self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
+        if entry.wire_id is not None:
+            self.retry_ids.pop(entry.wire_id, None)
+        return entry
+
+    def give_up_attempt(self, request_id: str, entry: InFlight) -> None:
+        """The request's current attempt is lost: its prefill node is one to avoid, and the
+        request leaves the prompt queue it waited in."""
+        if entry.prefill is not None:
+            entry.failed_prefills.add(entry.prefill.address)
+        if entry.queued_at is not None:
+            self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
+
+    def retried(self, request_id: str, entry: InFlight, wire_id: str) -> None:
+        """The request was sent again as `wire_id`: updates under its old wire id are
+        ignored from now on."""
+        entry.attempts += 1
+        self.retry_ids.pop(entry.wire_id or request_id, None)
+        self.retry_ids[wire_id] = request_id
+        entry.wire_id = wire_id
+
+    def lost_with(
+        self, gone: Callable[[NodeState], bool]
+    ) -> Iterator[tuple[str, InFlight, NodeState]]:
+        """Each request whose decode (or colocated) node is `gone`, or whose prefill node is
+        before its first token, with that node; the caller may retry or forget each one."""
+        for request_id, entry in self.items():
+            if gone(entry.node):
+                yield request_id, entry, entry.node
+            elif entry.prefill is not None and not entry.started and gone(entry.prefill):
+                yield request_id, entry, entry.prefill
+
+    def _start(self, request_id: str, entry: InFlight) -> None:
+        if not entry.started:
+            entry.started = True
+            if entry.queued_at is not None:
+                self.prompt_queues.started(entry.queued_at, request_id, self.clock())

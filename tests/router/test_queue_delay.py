@@ -143,7 +143,7 @@ def test_a_started_request_leaves_the_queue_and_retries_are_not_judged_again():
         client._dispatch(TokenBatch("p", [TokenUpdate("a~1", [7], None, offset=0)]))
         assert len(client.prompt_queues) == 0
         client._dispatch(TokenBatch("d", [TokenUpdate("a~1", [8], "length", offset=1)]))
-        assert not client.inflight and not client._client_ids  # the retry's id is forgotten
+        assert not client.inflight and not client.inflight.retry_ids  # the retry's id is forgotten
         client.submit("c", PROMPT[::-1], {"max_tokens": 4}, queue)
         client.abort("c")
         assert len(client.prompt_queues) == 0

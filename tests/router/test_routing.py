@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 
-from router.node_client import InFlight, NodeClient
+from router.inflight import InFlight
+from router.node_client import NodeClient
 from router.node_registry import NodeRegistry, NodeState
 from router.queue_delay import PromptQueues
 from router.routing import PrefillRouter, block_hashes, pick_decode_node
@@ -117,7 +118,7 @@ def test_updates_from_two_nodes_are_delivered_in_output_order():
     client = NodeClient([], "tcp://127.0.0.1:0")
     queue: asyncio.Queue = asyncio.Queue()
     node = NodeState("tcp://d", "d")
-    client.inflight["r"] = InFlight(queue, node)
+    client.inflight.add("r", InFlight(queue, node))
     client._dispatch(TokenBatch("d", [TokenUpdate("r", [7, 8], None, offset=1)]))
     client._dispatch(TokenBatch("d", [TokenUpdate("r", [], "length", offset=3)]))
     assert queue.empty()

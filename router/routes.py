@@ -1,0 +1,151 @@
+"""The router's HTTP handlers, plain functions that find their app's state as
+`request.app.state.router` (router/state.py); `create_app` (router/app.py) registers them.
+
+Request flow of the completions routes: admission queue full (429, before any parsing or
+tokenization) -> read the body (413/400; the server bounds how long it may take) -> validate
+(400) -> model (404) -> prompt characters vs. context (400, without tokenizing:
+`max_chars_per_token`) -> in a worker thread, never on the event loop: parameter checks (400)
+-> a live node (503) -> chat template and tokenizing -> prompt ids vs. vocabulary and context
+(400) -> back on the loop: draining after SIGTERM (503, router/drain.py) -> prompt and
+completion vs. the largest live KV cache (400: it could never be served) -> admission queue
+bounds (429) -> submit n sub-requests -> JSON or SSE answer. A client that goes away gets
+every sub-request aborted; so does a stream whose client stops reading (router/sse.py,
+router/generation.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from router.body import read_json_object
+from router.errors import APIError, at_request_end, error_body, validation_error
+from router.generation import Generation
+from router.responses import Responder
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.sse import EventStreamResponse
+from router.state import RouterState
+from router.validation import Plan, check_kv_capacity, check_model, plan_chat, plan_completion
+
+logger = logging.getLogger(__name__)
+
+
+async def completions(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    config = state.config
+    state.admission.check_room()
+    req = _parse(CompletionRequest, await read_json_object(request, config.max_body_bytes))
+    check_model(req.model, config.model_name)
+    limits = state.limits_now()
+    if isinstance(req.prompt, str):
+        state.check_prompt_chars(len(req.prompt), limits, "prompt")
+    plan = await state.tokenizer_threads.run(plan_completion, req, config, state.tokenizer, limits)
+    return await _generate(request, state, False, req, plan)
+
+
+async def chat_completions(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    config = state.config
+    state.admission.check_room()
+    data = await read_json_object(request, config.max_body_bytes)
+    req = _parse(ChatCompletionRequest, data)
+    check_model(req.model, config.model_name)
+    limits = state.limits_now()
+    num_chars = sum(len(message.text()) for message in req.messages)
+    state.check_prompt_chars(num_chars, limits, "messages")
+    plan = await state.tokenizer_threads.run(plan_chat, req, config, state.tokenizer, limits)
+    return await _generate(request, state, True, req, plan)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    state: RouterState = request.app.state.router
+    node = state.client.live_node()
+    card: dict[str, Any] = {
+        "id": state.config.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "pdserve",
+        "root": str(state.config.model_path),
+        "parent": None,
+    }
+    if node is not None:
+        card["max_model_len"] = node.stats.max_model_len
+    return {"object": "list", "data": [card]}
+
+
+async def health(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    if state.draining:
+        body = error_body("The server is shutting down.", "service_unavailable_error")
+        return JSONResponse(body, status_code=503)
+    if state.client.any_alive():
+        return JSONResponse({"status": "ok"})
+    body = error_body("No inference node is alive.", "service_unavailable_error")
+    return JSONResponse(body, status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    state: RouterState = request.app.state.router
+    return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+
+def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(list(error.errors(include_input=False))) from None
+
+
+async def _generate(
+    request: Request, state: RouterState, chat: bool, req: Any, plan: Plan
+) -> Response:
+    """Runs a planned request on the nodes and answers it as JSON or as an SSE stream."""
+    config = state.config
+    if state.draining:
+        raise APIError(503, "The server is shutting down; retry on another replica.")
+    check_kv_capacity(plan, state.kv_capacity())
+    prefix = "chatcmpl" if chat else "cmpl"
+    generation = Generation(
+        f"{prefix}-{uuid.uuid4().hex}",
+        plan,
+        state.client,
+        state.tokenizer,
+        state.metrics,
+        state.admission,
+        config.max_stream_buffer_tokens,
+    )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
+    at_request_end(request.scope, generation.close)  # before start(): covers every exit
+    generation.start()
+    generation.poll_disconnect = request.is_disconnected
+    events = generation.events()
+    try:
+        if not req.stream:
+            return JSONResponse(await responder.collect(events))
+        first = await anext(events)
+    finally:
+        generation.poll_disconnect = None
+        if not req.stream:
+            await events.aclose()
+    response = EventStreamResponse(
+        responder.stream(events, first),
+        stall_timeout_s=config.stream_stall_timeout_s,
+        on_stall=lambda: _stalled(state, generation),
+    )
+    generation.queue.writer_blocked = response.write_blocked
+    return response
+
+
+def _stalled(state: RouterState, generation: Generation) -> None:
+    state.metrics.error("stream_stalled")
+    logger.warning(
+        "request %s aborted: its client read nothing for %.1f s",
+        generation.request_id,
+        state.config.stream_stall_timeout_s,
+    )

@@ -1,0 +1,141 @@
+"""What one router app owns: settings, tokenizer and its worker threads, metrics, admission
+queue and node client, built by `create_app` (router/app.py) and reachable from every handler
+as `request.app.state.router`; nothing of it is module-global, so two apps in one process are
+independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from router.admission import AdmissionQueue
+from router.config import RouterConfig
+from router.errors import APIError, invalid
+from router.logprobs import LogprobFormatter
+from router.metrics import RouterMetrics
+from router.node_client import NodeClient
+from router.node_registry import NodeState
+from router.prompt_chars import max_chars_per_token
+from router.validation import KVCapacity, Limits
+from text.tokenizer import load_tokenizer
+
+# Threads that tokenize and apply chat templates (HF tokenizers release the GIL while they
+# encode); the characters of a prompt are bounded before it gets there.
+NUM_TOKENIZER_THREADS = 4
+
+Result = TypeVar("Result")
+
+
+class WorkerThreads:
+    """A few threads for the blocking work of a request (chat templates, tokenizing), so the
+    event loop keeps serving every other request and stream meanwhile. Started on first use;
+    `shutdown()` (at the app's shutdown) stops them, and a later use starts new ones."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        self.num_threads = num_threads
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., Result], *args: Any) -> Result:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix=self.name)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class RouterState:
+    """Everything one app owns; reachable as `app.state.router` (tests inject NodeStats
+    through `app.state.router.client.record_stats`)."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
+        self.config = config
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else load_tokenizer(Path(config.model_path))
+        )
+        self.metrics = RouterMetrics()
+        self.admission = AdmissionQueue(config, self.metrics.registry)
+        self.client = NodeClient(
+            config.node_addresses,
+            config.listen_address,
+            config.node_timeout_s,
+            on_stats=self._on_stats,
+            on_liveness=self._on_liveness,
+            on_retry=self.metrics.request_retries.inc,
+            cluster_auth=config.cluster_auth,
+            max_queue_delay_s=config.max_queue_delay_s,
+        )
+        self.formatter = LogprobFormatter(self.tokenizer)
+        self.tokenizer_threads = WorkerThreads(NUM_TOKENIZER_THREADS, "router-tokenize")
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
+        self.created = int(time.time())
+        self.draining = False  # set on SIGTERM (router/drain.py): new requests get 503
+
+    def _on_stats(self, node: NodeState) -> None:
+        self.metrics.observe_node(node.node_id or node.address, node.stats)
+
+    def _on_liveness(self, node: NodeState) -> None:
+        self.metrics.observe_liveness(node.node_id or node.address, node.role or "", node.up)
+
+    def limits(self) -> tuple[int, int]:
+        node = self.client.live_node()
+        if node is None:
+            raise APIError(503, "No inference node is available; try again later.")
+        return node.stats.max_model_len, node.stats.vocab_size
+
+    def limits_now(self) -> Limits:
+        """`limits()` read now, on the event loop (it reads the node registry), as a function
+        that gives the same answer, or raises the same 503, later and from any thread."""
+        try:
+            known = self.limits()
+        except APIError as error:
+            no_node = error
+
+            def unavailable() -> tuple[int, int]:
+                raise no_node
+
+            return unavailable
+        return lambda: known
+
+    def check_prompt_chars(self, num_chars: int, limits: Limits, param: str) -> None:
+        """400 for a prompt of more characters than the model's context can hold as tokens,
+        decided without tokenizing it. Skipped when the tokenizer gives no bound per token,
+        or when no node is alive (the request's plan answers that)."""
+        if self.max_chars_per_token is None:
+            return
+        try:
+            max_model_len, _ = limits()
+        except APIError:
+            return
+        max_chars = max_model_len * self.max_chars_per_token
+        if num_chars > max_chars:
+            raise invalid(
+                f"This model's maximum context length is {max_model_len:,} tokens. However, "
+                f"'{param}' has {num_chars:,} characters of text, more than {max_model_len:,} "
+                f"tokens can hold (a token of this model stands for at most "
+                f"{self.max_chars_per_token} characters). Please reduce the length of the "
+                f"{param}.",
+                param,
+            )
+
+    def kv_capacity(self) -> KVCapacity:
+        """The largest KV caches (in blocks) of the live nodes that would serve a request."""
+        registry = self.client.registry
+        prefill = registry.live("prefill")
+        serving = registry.live("decode") if prefill else []
+        if not serving:
+            serving, prefill = registry.live("colocated"), []
+        stats = [n.stats for n in (*serving, *prefill)]
+        return KVCapacity(
+            block_size=max((s.block_size for s in stats), default=0),
+            serving_blocks=max((n.stats.num_total_blocks for n in serving), default=0),
+            prefill_blocks=max((n.stats.num_total_blocks for n in prefill), default=None),
+        )
