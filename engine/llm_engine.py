@@ -46,16 +46,14 @@ from engine.models import model_class
 from engine.outputs import EngineStep, StepOutput
 from engine.preemption import PreemptionPolicy
 from engine.queue_wait import QueueWaitStats
-from engine.sampler import SampleResult, skip_sample
+from engine.sampler import skip_sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.swap_space import SwapSpace
+from engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
 from text.tokenizer import load_tokenizer
 
-WARM_UP_MAX_TOKENS = 256
-WARM_UP_SHORT_PROMPT_TOKENS = 17
-WARM_UP_DECODE_STEPS = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 logger = logging.getLogger(__name__)
@@ -155,13 +153,13 @@ class LLMEngine:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
-        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         self.sequences[request_id] = seq
         if export_prompt_blocks:
             self.num_exported_blocks[request_id] = 0
         self.scheduler.add(seq)
 
-    def _new_sequence(
+    def new_sequence(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -372,7 +370,7 @@ class LLMEngine:
         `arrival_time` is when the request reached this node (its rank in the batch's order)."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         skip_sample(seq, self.model_config.vocab_size)
         self._unhold(block_ids)
         seq.block_table = list(block_ids)
@@ -407,108 +405,8 @@ class LLMEngine:
     def warm_up(
         self, max_tokens: int = WARM_UP_MAX_TOKENS, kernel_variants: bool | None = None
     ) -> None:
-        """Throwaway steps before a node serves, so that what a first request would pay once
-        (Triton kernels compiling on first use, library and allocator set-up) is paid before
-        the node reports ready, holding the GIL where no heartbeat is due yet:
-          1. a prefill of a throwaway prompt of up to `max_tokens` tokens (and the step
-             budget), twice: the first pays the one-time costs, the second is timed, device
-             work included, for the prefill speed the node reports to the router
-             (router/queue_delay.py);
-          2. with `kernel_variants` (default: on a CUDA device; the CPU stops at 1), the
-             steps the first real requests hit next, each kernel variant compiled once: a
-             mixed step (that prompt's first decode beside a second, short prompt's prefill,
-             sampled with every filter on), a decode batch of both, then the short one's
-             decode alone (one token or several; one split of the keys or several).
-        It borrows free blocks directly and gives them back, and restores the sampler's
-        random state: no request, prefix-cache entry or statistic but the measured speed
-        remains. Too few free blocks: it does less."""
-        config = self.config
-        if kernel_variants is None:
-            kernel_variants = self.runner.device.type == "cuda"
-        decodes_after_prompt = WARM_UP_DECODE_STEPS if kernel_variants else 0
-        num_tokens = min(
-            max_tokens, config.max_num_batched_tokens, self.max_model_len - decodes_after_prompt
-        )
-        if num_tokens < 1:
-            return
-        borrowed: list[int] = []
-        generator = self.runner.sampler.generator
-        generator_state = generator.get_state()
-        try:
-            long = self._warm_up_sequence(
-                "warm-up", num_tokens, num_tokens + decodes_after_prompt, borrowed
-            )
-            if long is None:
-                return
-            step = SchedulerOutput(scheduled=[ScheduledSequence(long, num_tokens)])
-            for measured in (False, True):
-                started = time.perf_counter()
-                samples = self.runner.execute(step)
-                self.runner.synchronize()
-                if measured:
-                    self.preemption.observe_prefill(num_tokens, time.perf_counter() - started)
-            if not kernel_variants:
-                return
-            self._advance_warm_up(step, samples)
-            short_tokens = min(
-                WARM_UP_SHORT_PROMPT_TOKENS,
-                config.max_num_batched_tokens - 1,
-                self.max_model_len - WARM_UP_DECODE_STEPS,
-            )
-            if short_tokens < 1:
-                return
-            short = self._warm_up_sequence(
-                "warm-up-short", short_tokens, short_tokens + WARM_UP_DECODE_STEPS, borrowed,
-                SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=1),
-            )
-            if short is None:
-                return
-            for chunks in (
-                [(long, 1), (short, short_tokens)],
-                [(long, 1), (short, 1)],
-                [(short, 1)],
-            ):
-                step = SchedulerOutput(scheduled=[ScheduledSequence(*c) for c in chunks])
-                self._advance_warm_up(step, self.runner.execute(step))
-            self.runner.synchronize()
-        finally:
-            self.block_manager.release_blocks(borrowed)
-            generator.set_state(generator_state)
-
-    def _warm_up_sequence(
-        self,
-        request_id: str,
-        num_prompt_tokens: int,
-        num_slots: int,
-        borrowed: list[int],
-        params: SamplingParams | None = None,
-    ) -> Sequence | None:
-        """A throwaway sequence with blocks for `num_slots` tokens, borrowed from the free
-        list (their ids appended to `borrowed`); None when too few blocks are free."""
-        block_ids = self.block_manager.allocate_blocks(
-            self.block_manager.blocks_for_tokens(num_slots)
-        )
-        if block_ids is None:
-            return None
-        borrowed.extend(block_ids)
-        vocab_size = self.model_config.vocab_size
-        seq = self._new_sequence(
-            request_id,
-            [i % vocab_size for i in range(num_prompt_tokens)],
-            params or SamplingParams(temperature=0, max_tokens=1),
-        )
-        seq.block_table = block_ids
-        return seq
-
-    @staticmethod
-    def _advance_warm_up(
-        step: SchedulerOutput, samples: list[tuple[ScheduledSequence, SampleResult]]
-    ) -> None:
-        """Marks a warm-up step's chunks computed and appends their sampled tokens."""
-        for scheduled in step.scheduled:
-            scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
-        for scheduled, sample in samples:
-            scheduled.seq.token_ids.append(sample.token_id)
+        """Throwaway steps before a node serves (engine/warm_up.py says which and why)."""
+        warm_up(self, max_tokens, kernel_variants)
 
     def check_integrity(self) -> None:
         tables = [seq.block_table for seq in self.sequences.values()]

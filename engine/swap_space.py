@@ -6,7 +6,7 @@ before anything writes the device blocks that a swap-out just gave up. Both repo
 bytes they moved and how long it took (to the end of the copies on the device), which the
 preemption cost model learns from.
 
-A swap moves all its blocks in batches (engine.kv_cache.BlockStaging): one gather on the
+A swap moves all its blocks in batches (engine.block_moves.BlockStaging): one gather on the
 source side, one copy through a pinned staging buffer on CUDA, one scatter on the other side.
 
 Invariant: a host block is either free or in exactly one swapped sequence's `host_block_table`
@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from engine.kv_cache import BlockStaging, KVCache
+from engine.block_moves import BlockStaging
+from engine.kv_cache import KVCache
 
 
 class SwapSpace:

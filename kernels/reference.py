@@ -115,14 +115,3 @@ def copy_blocks_reference(buffer: torch.Tensor, src: torch.Tensor, dst: torch.Te
     """buffer [num_layers, 2, num_blocks, ...]: block src[i] -> block dst[i], every layer."""
     buffer[:, :, dst.long()] = buffer[:, :, src.long()]
 
-
-def gather_blocks_reference(buffer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """-> [len(block_ids), num_layers, 2, ...]: each block's whole payload contiguous."""
-    return buffer[:, :, block_ids.long()].permute(2, 0, 1, 3, 4, 5).contiguous()
-
-
-def scatter_blocks_reference(
-    buffer: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor
-) -> None:
-    """Inverse of gather: packed [len(block_ids), num_layers, 2, ...] into the blocks."""
-    buffer[:, :, block_ids.long()] = packed.permute(1, 2, 0, 3, 4, 5)

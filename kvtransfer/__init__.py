@@ -1,6 +1,7 @@
 """KV transfer from prefill to decode nodes: shm, cuda_ipc and zmq transports over one channel.
 
-See base.py for who calls what and when, ledger.py for completion and the late-write rule.
+See base.py for who calls what and when, strategies.py for who writes the bytes (direct write
+or streamed), ledger.py for completion and the late-write rule.
 """
 
 from __future__ import annotations

@@ -18,15 +18,16 @@ Writes for an unknown, complete, failed or released transfer, or to blocks outsi
 refused before any byte is written (one for a complete transfer can only repeat a write that
 landed, so the receiver drops it without failing the sender's transfer).
 
-Late-write rule. Where the receiver scatters every byte itself (zmq), a failed transfer is
+Late-write rule (the transport's write strategy, kvtransfer/strategies.py, says which half
+applies). Where the receiver scatters every byte itself (Streamed: zmq), a failed transfer is
 released at once: its I/O thread checks the ledger before each scatter, so nothing lands after.
-Where the sender copies into our memory itself (shm, cuda_ipc), a failed transfer that was
-granted is released only when (a) its sender sends Abandon, which it does after its last copy
-for the transfer has finished and never copies for it again, or (b) `release_grace_s` after
-the deadline. (b) holds because a sender's deadline is never later than ours (it is the time
-it sent Begin plus the seconds left we granted) and it starts no copy step after it, and one
-step is a few MiB, far shorter than the grace. A failed transfer never granted is released at
-once: no sender may write it.
+Where the sender copies into our memory itself (DirectWrite: shm, cuda_ipc, inprocess), a failed
+transfer that was granted is released only when (a) its sender sends Abandon, which it does
+after its last copy for the transfer has finished and never copies for it again, or
+(b) `release_grace_s` after the deadline. (b) holds because a sender's deadline is never later
+than ours (it is the time it sent Begin plus the seconds left we granted) and it starts no copy
+step after it, and one step is a few MiB, far shorter than the grace. A failed transfer never
+granted is released at once: no sender may write it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from kvtransfer.base import TransferEvent, TransferKind
 from kvtransfer.messages import MAX_TRANSFER_ID_CHARS, Cancel, Committed
+from kvtransfer.strategies import WriteStrategy
 
 RECENT_TRANSFERS_REMEMBERED = 4096
 
@@ -64,11 +66,11 @@ class TransferLedger:
     and notices for senders; `take_actions()` hands them over."""
 
     def __init__(
-        self, num_blocks: int, num_layers: int, direct_write: bool, release_grace_s: float
+        self, num_blocks: int, num_layers: int, strategy: WriteStrategy, release_grace_s: float
     ) -> None:
         self.num_blocks = num_blocks
         self.num_layers = num_layers
-        self.direct_write = direct_write
+        self.strategy = strategy
         self.release_grace_s = release_grace_s
         self._transfers: dict[str, ExpectedTransfer] = {}
         self._holder_of_block: dict[int, str] = {}
@@ -191,13 +193,13 @@ class TransferLedger:
             return False
         transfer.error = error
         self._events.append(TransferEvent(transfer_id, TransferKind.FAILED, error))
-        if self.direct_write and transfer.writer is not None:
-            transfer.release_at = transfer.deadline + self.release_grace_s
-            self._notices.append((transfer.writer, Cancel(transfer_id, error)))
-            return True
         if transfer.writer is not None:
             self._notices.append((transfer.writer, Cancel(transfer_id, error)))
-        self._release(transfer)
+            transfer.release_at = self.strategy.release_after_failure(
+                transfer.deadline, self.release_grace_s
+            )
+        if transfer.release_at is None:
+            self._release(transfer)
         return True
 
     def abandoned(self, transfer_id: str, writer: bytes, reason: str) -> None:

@@ -104,7 +104,7 @@ class ChannelReceiver(KVReceiver):
         handle = self.transport.export(kv_cache)
         self._kv_cache = kv_cache
         self._ledger = TransferLedger(
-            kv_cache.num_blocks, kv_cache.spec.num_layers, self.transport.direct_write,
+            kv_cache.num_blocks, kv_cache.spec.num_layers, self.transport.strategy,
             self.config.release_grace_s,
         )
         endpoint: list[str] = []
@@ -294,8 +294,8 @@ class ChannelReceiver(KVReceiver):
         return Grant(message.transfer_id, list(granted.block_ids), seconds_left)
 
     def _record_written(self, identity: bytes, message: Written) -> Any:
-        if not self.transport.direct_write:
-            return self._drop(message, f"the {self.transport.name} transport takes no Written")
+        if not isinstance(message, self.transport.strategy.write_message):
+            return self._drop_other_write_kind(message)
         with self._lock:
             reason = self._ledger.check_write(
                 message.transfer_id, identity, message.block_ids, message.layer_start,
@@ -310,8 +310,8 @@ class ChannelReceiver(KVReceiver):
         return self._refuse(message, reason)
 
     def _apply_data(self, identity: bytes, message: Data, data_frames: list[zmq.Frame]) -> Any:
-        if self.transport.direct_write:
-            return self._drop(message, f"the {self.transport.name} transport takes no data frames")
+        if not isinstance(message, self.transport.strategy.write_message):
+            return self._drop_other_write_kind(message)
         spec = self._kv_cache.spec
         if not 0 <= message.layer_start < message.layer_end <= spec.num_layers:
             return self._drop(
@@ -348,6 +348,16 @@ class ChannelReceiver(KVReceiver):
                 self._collect_actions()
                 return Ack(message.transfer_id, message.seq)
         return self._refuse(message, reason)
+
+    def _drop_other_write_kind(self, message: Data | Written) -> Reject:
+        """A write of the kind the transport's strategy does not use (kvtransfer/strategies.py):
+        Data for a DirectWrite transport, Written for a Streamed one."""
+        return self._drop(
+            message,
+            f"the {self.transport.name} transport writes with "
+            f"{self.transport.strategy.write_message.__name__} messages, not "
+            f"{type(message).__name__}",
+        )
 
     def _refuse(self, message: Data | Written, reason: str) -> Reject | None:
         """A write that failed the ledger's check. One for a committed transfer repeats a write

@@ -5,9 +5,11 @@ A transfer on this side: `write` queues a job -> the first job sends Begin and w
 (deadline: grant_timeout_s) -> granted (deadline: the time Begin was sent plus the seconds left
 the decode node granted, so never later than the decode node's own) -> each job is cut into
 steps of at most step_bytes, run in order, at most one step per transfer per round so acks,
-cancels and other transfers are served in between. No step starts after the deadline. zmq steps
-wait while unacknowledged bytes would pass max_inflight_bytes (backpressure); a direct write
-sends Written after its job's last step. The transfer ends COMPLETE on Committed, or FAILED on
+cancels and other transfers are served in between. No step starts after the deadline. The
+transport's write strategy (kvtransfer/strategies.py) says what each step and each job's end
+send: a Streamed step sends Data, and steps wait while unacknowledged bytes would pass
+max_inflight_bytes (backpressure); a DirectWrite job sends Written after its last step's copies
+have landed. The transfer ends COMPLETE on Committed, or FAILED on
 Refuse, Reject, Cancel, abort or the deadline; a failed transfer that sent Begin sends Abandon,
 which tells the decode node that nothing of it will be copied any more.
 
@@ -69,6 +71,7 @@ class ChannelSender(KVSender):
         if isinstance(transport, str):
             transport = sender_transport(transport, self.config.step_bytes)
         self.transport = transport
+        self._strategy = transport.strategy
         self._board = EventBoard({TransferKind.COMPLETE, TransferKind.FAILED})
         self._commands: queue.SimpleQueue[tuple[str, str, WriteJob | None]] = queue.SimpleQueue()
         self._wakeup = Wakeup()
@@ -253,37 +256,37 @@ class ChannelSender(KVSender):
             if time.monotonic() >= transfer.deadline:
                 continue  # _expire fails it
             job.steps.popleft()
+            job_done = not job.steps
             try:
                 outgoing = self.transport.run_step(step, job.ready)
-                if not job.steps and self.transport.direct_write:
-                    self.transport.finish_write(job.ready)
+                written = None
+                if job_done:
+                    written = self._strategy.finish_job(
+                        self.transport, transfer.transfer_id, job.dst_block_ids,
+                        self._descriptor.num_layers, job.ready, self._take_seq,
+                    )
             except Exception as error:  # fail this transfer, serve the others
                 logger.exception("KV sender: a copy step failed")
                 self._fail(transfer, f"KV transfer for request {transfer.transfer_id!r}: {error}")
                 continue
-            if not self.transport.direct_write:
-                seq = self._take_seq()
-                message = Data(
-                    transfer.transfer_id, seq, step.dst_block_ids, step.layer_start,
-                    step.layer_end, self._descriptor.dtype, step.nbytes,
-                )
-                if not self._send(message, outgoing.frames):
+            data = self._strategy.step_message(
+                transfer.transfer_id, step, self._descriptor.dtype, self._take_seq
+            )
+            if data is not None:
+                if not self._send(data, outgoing.frames):
                     self._fail(transfer, self._unreachable(transfer.transfer_id))
                     continue
-                self._in_flight[seq] = InFlight(transfer.transfer_id, step.nbytes, outgoing.on_ack)
+                self._in_flight[data.seq] = InFlight(
+                    transfer.transfer_id, step.nbytes, outgoing.on_ack
+                )
                 self._in_flight_bytes += step.nbytes
-                transfer.unacked.add(seq)
-            if not job.steps:
+                transfer.unacked.add(data.seq)
+            if job_done:
                 transfer.jobs.popleft()
                 transfer.written_blocks.update(job.dst_block_ids)
-                if self.transport.direct_write:
-                    written = Written(
-                        transfer.transfer_id, self._take_seq(), job.dst_block_ids, 0,
-                        self._descriptor.num_layers,
-                    )
-                    if not self._send(written):
-                        self._fail(transfer, self._unreachable(transfer.transfer_id))
-                        continue
+                if written is not None and not self._send(written):
+                    self._fail(transfer, self._unreachable(transfer.transfer_id))
+                    continue
             more_ready = more_ready or bool(transfer.jobs)
         return more_ready
 
@@ -306,7 +309,8 @@ class ChannelSender(KVSender):
         return True
 
     def _window_full(self, step: WriteStep) -> bool:
-        if self.transport.direct_write or self._in_flight_bytes == 0:
+        """Only Data messages are in flight: a DirectWrite transport's window never fills."""
+        if self._in_flight_bytes == 0:
             return False
         return self._in_flight_bytes + step.nbytes > self.config.max_inflight_bytes
 

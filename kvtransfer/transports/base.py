@@ -11,8 +11,8 @@ ReceiverTransport (decode side)
   export              register(), once: the transport part of the descriptor (segment name,
                       CUDA IPC handle); {} when nothing but the channel address is needed.
   apply               the receiver's I/O thread, for each Data message whose header the ledger
-                      accepted: scatter the frame into the destination blocks. Never called for a
-                      direct-write transport (its Data messages are rejected).
+                      accepted: scatter the frame into the destination blocks. Called only for a
+                      Streamed transport (a DirectWrite one's Data messages are rejected).
   close               close(), once.
 
 SenderTransport (prefill side)
@@ -21,14 +21,17 @@ SenderTransport (prefill side)
                       compute stream on a GPU); returns a token handed to run_step/finish_write.
   run_step            the sender's I/O thread, for each step of a write in order, and only
                       before the transfer's deadline: copy the step's blocks into the mapped
-                      buffer (direct write) or pack them and return the frame to send.
-  finish_write        the I/O thread, after a direct write's last step: return once the copies
-                      are in the decode node's memory (a GPU event); then Written is sent.
+                      buffer (DirectWrite) or pack them and return the frame to send (Streamed).
+  finish_write        the I/O thread, through DirectWrite.finish_job after a write's last step:
+                      return once the copies are in the decode node's memory (a GPU event); then
+                      Written is sent.
   close               close(), once.
 
-`direct_write` transports (shm, cuda_ipc) let the sender copy into the decode node's memory
-itself; the ledger's late-write rule then holds failed transfers' blocks until the sender
-abandons them or the grace after the deadline has passed.
+Each transport names its write strategy (kvtransfer/strategies.py) in `strategy`, both halves
+the same: DirectWrite transports (shm, cuda_ipc, inprocess) let the sender copy into the decode
+node's memory itself, and the ledger's late-write rule then holds failed transfers' blocks until
+the sender abandons them or the grace after the deadline has passed; the Streamed transport (zmq)
+sends the bytes for the receiver to write.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.block_moves import BlockRun, block_runs, split_runs
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.block_copy import BlockRun, block_runs, split_runs
 from kvtransfer.descriptor import KVDescriptor
 from kvtransfer.messages import Data
+from kvtransfer.strategies import WriteStrategy
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ def plan_steps(
 
 class ReceiverTransport(abc.ABC):
     name: ClassVar[str]
-    direct_write: ClassVar[bool]
+    strategy: ClassVar[WriteStrategy]
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
@@ -112,7 +116,7 @@ class ReceiverTransport(abc.ABC):
 
 class SenderTransport(abc.ABC):
     name: ClassVar[str]
-    direct_write: ClassVar[bool]
+    strategy: ClassVar[WriteStrategy]
 
     @abc.abstractmethod
     def attach(self, descriptor: KVDescriptor, kv_cache: KVCache) -> None: ...

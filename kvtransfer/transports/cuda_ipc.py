@@ -2,7 +2,7 @@
 prefill node opens it and copies device-to-device on a side stream that first waits for the
 compute stream as it was when `write` was called. Each step is one gather of its blocks, one
 copy (a peer copy when the decode node's GPU is another), one scatter into the target blocks
-(engine.kv_cache.BlockStaging). After a write's last step it records an event on the side
+(engine.block_moves.BlockStaging). After a write's last step it records an event on the side
 streams and waits for it before sending Written, so Written always follows the bytes.
 
 A CUDA IPC handle covers a cudaMalloc allocation. PyTorch's expandable segments
@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.kv_cache import BlockStaging, KVCache, KVCacheSpec
-from kvtransfer.block_copy import run_block_ids
+from engine.block_moves import BlockStaging, run_block_ids
+from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.descriptor import KVDescriptor
+from kvtransfer.strategies import DirectWrite, WriteStrategy
 from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
 
 
@@ -84,7 +85,7 @@ def check_shareable_allocator(environ: dict[str, str] | None = None) -> None:
 
 class CudaIpcReceiverTransport(ReceiverTransport):
     name: ClassVar[str] = "cuda_ipc"
-    direct_write: ClassVar[bool] = True
+    strategy: ClassVar[WriteStrategy] = DirectWrite()
 
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, device: torch.device
@@ -119,7 +120,7 @@ class CudaIpcReceiverTransport(ReceiverTransport):
 
 class CudaIpcSenderTransport(SenderTransport):
     name: ClassVar[str] = "cuda_ipc"
-    direct_write: ClassVar[bool] = True
+    strategy: ClassVar[WriteStrategy] = DirectWrite()
 
     def __init__(self) -> None:
         self._local: torch.Tensor | None = None

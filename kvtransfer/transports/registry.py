@@ -1,33 +1,57 @@
-"""Transport names -> the receiver and sender halves that implement them."""
+"""Transport names -> the receiver and sender halves that implement them.
+
+`TRANSPORTS` maps each name to its two factories; `TRANSPORT_NAMES` lists the transports a
+serving node may use. `inprocess` is registered too, as the test double (both halves in one
+process), but is no serving transport; no command line offers it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
 from kvtransfer.transports.base import ReceiverTransport, SenderTransport
 from kvtransfer.transports.cuda_ipc import CudaIpcReceiverTransport, CudaIpcSenderTransport
+from kvtransfer.transports.inprocess import InProcessReceiverTransport, InProcessSenderTransport
 from kvtransfer.transports.shm import ShmReceiverTransport, ShmSenderTransport
 from kvtransfer.transports.zmq_tcp import ZmqReceiverTransport, ZmqSenderTransport
 
-TRANSPORT_NAMES = ("shm", "cuda_ipc", "zmq")
+
+@dataclass(frozen=True)
+class TransportEntry:
+    """`receiver(node_id)` and `sender(staging_bytes)` build the two halves; `serving` is False
+    for a transport that works only within one process."""
+
+    receiver: Callable[[str], ReceiverTransport]
+    sender: Callable[[int], SenderTransport]
+    serving: bool = True
 
 
-def _check_name(name: str) -> None:
-    if name not in TRANSPORT_NAMES:
-        raise ValueError(f"unknown KV transport {name!r}; valid transports: {list(TRANSPORT_NAMES)}")
+TRANSPORTS: Mapping[str, TransportEntry] = MappingProxyType({
+    "shm": TransportEntry(ShmReceiverTransport, lambda staging_bytes: ShmSenderTransport()),
+    "cuda_ipc": TransportEntry(
+        CudaIpcReceiverTransport, lambda staging_bytes: CudaIpcSenderTransport()
+    ),
+    "zmq": TransportEntry(ZmqReceiverTransport, ZmqSenderTransport),
+    "inprocess": TransportEntry(
+        InProcessReceiverTransport, lambda staging_bytes: InProcessSenderTransport(),
+        serving=False,
+    ),
+})
+TRANSPORT_NAMES = tuple(name for name, entry in TRANSPORTS.items() if entry.serving)
+
+
+def _entry(name: str) -> TransportEntry:
+    entry = TRANSPORTS.get(name)
+    if entry is None:
+        raise ValueError(f"unknown KV transport {name!r}; valid transports: {list(TRANSPORTS)}")
+    return entry
 
 
 def receiver_transport(name: str, node_id: str) -> ReceiverTransport:
-    _check_name(name)
-    if name == "shm":
-        return ShmReceiverTransport(node_id)
-    if name == "cuda_ipc":
-        return CudaIpcReceiverTransport(node_id)
-    return ZmqReceiverTransport(node_id)
+    return _entry(name).receiver(node_id)
 
 
 def sender_transport(name: str, staging_bytes: int) -> SenderTransport:
-    _check_name(name)
-    if name == "shm":
-        return ShmSenderTransport()
-    if name == "cuda_ipc":
-        return CudaIpcSenderTransport()
-    return ZmqSenderTransport(staging_bytes)
+    return _entry(name).sender(staging_bytes)

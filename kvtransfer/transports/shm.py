@@ -9,16 +9,17 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.block_moves import copy_block_runs
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.block_copy import copy_block_runs
 from kvtransfer.descriptor import KVDescriptor
+from kvtransfer.strategies import DirectWrite, WriteStrategy
 from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
 from kvtransfer.transports.shm_segment import SharedSegment
 
 
 class ShmReceiverTransport(ReceiverTransport):
     name: ClassVar[str] = "shm"
-    direct_write: ClassVar[bool] = True
+    strategy: ClassVar[WriteStrategy] = DirectWrite()
 
     def __init__(self, node_id: str) -> None:
         super().__init__(node_id)
@@ -49,7 +50,7 @@ class ShmReceiverTransport(ReceiverTransport):
 
 class ShmSenderTransport(SenderTransport):
     name: ClassVar[str] = "shm"
-    direct_write: ClassVar[bool] = True
+    strategy: ClassVar[WriteStrategy] = DirectWrite()
 
     def __init__(self) -> None:
         self._segment: SharedSegment | None = None

@@ -8,10 +8,10 @@ libzmq no longer reads them); the channel bounds unacknowledged bytes, so they a
 
 On a GPU both sides copy on a side stream of their own, never the compute stream: the sender's
 side stream first waits for the compute stream as it was when `write` was called, gathers the
-step's blocks on the device (engine.kv_cache.gather_blocks) and copies them in one DMA into a
+step's blocks on the device (engine.block_moves.gather_blocks) and copies them in one DMA into a
 pinned staging buffer, then waits for that copy alone; the receiver copies the frame to the
 device, scatters it into the target blocks and waits for that before the Ack. On the CPU the
-copies are numpy's (kvtransfer/block_copy.py).
+copies are numpy's (engine.block_moves.copy_block_runs).
 """
 
 from __future__ import annotations
@@ -20,11 +20,19 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.block_moves import (
+    BlockRun,
+    block_runs,
+    copy_block_runs,
+    gather_blocks,
+    run_block_ids,
+    scatter_blocks,
+)
 from engine.cpu_allocator import keep_freed_memory_for_reuse
-from engine.kv_cache import KVCache, KVCacheSpec, gather_blocks, scatter_blocks
-from kvtransfer.block_copy import BlockRun, block_runs, copy_block_runs, run_block_ids
+from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.descriptor import KVDescriptor
 from kvtransfer.messages import Data
+from kvtransfer.strategies import Streamed, WriteStrategy
 from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
 
 
@@ -38,7 +46,7 @@ def packed_view(
 
 class ZmqReceiverTransport(ReceiverTransport):
     name: ClassVar[str] = "zmq"
-    direct_write: ClassVar[bool] = False
+    strategy: ClassVar[WriteStrategy] = Streamed()
 
     def __init__(self, node_id: str) -> None:
         super().__init__(node_id)
@@ -75,7 +83,7 @@ class ZmqReceiverTransport(ReceiverTransport):
 
 class ZmqSenderTransport(SenderTransport):
     name: ClassVar[str] = "zmq"
-    direct_write: ClassVar[bool] = False
+    strategy: ClassVar[WriteStrategy] = Streamed()
 
     def __init__(self, staging_bytes: int) -> None:
         self._staging_bytes = staging_bytes

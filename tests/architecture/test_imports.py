@@ -97,6 +97,7 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     assert imports_of(module) == [(2, "torch"), (3, "engine")]
 
 
+@pytest.mark.processes
 def test_router_process_never_loads_torch(tiny_llama_dir):
     """A router process that builds its app (tokenizer, node links, routes) and answers a chat
     request's tokenization holds no torch, transformers or project model code."""

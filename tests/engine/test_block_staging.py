@@ -1,4 +1,4 @@
-"""Batched block copies (engine.kv_cache: gather_blocks, scatter_blocks, BlockStaging) move
+"""Block moves (engine.block_moves: copy_blocks, gather_blocks, scatter_blocks, BlockStaging) move
 exactly the bytes a copy per block moves, in any order of ids, in batches of any size, for
 every cache dtype; on CUDA also between the GPU and pinned host memory and within the GPU."""
 
@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from engine.kv_cache import BlockStaging, KVCacheSpec, gather_blocks, scatter_blocks
+from engine.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
+from engine.kv_cache import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -110,3 +111,11 @@ def test_copy_within_one_gpu_is_one_gather_and_one_scatter():
     torch.cuda.synchronize()
     expected = copied_block_by_block(torch.zeros_like(src).cpu(), dst_ids, src.cpu(), src_ids)
     assert torch.equal(dst.cpu(), expected)
+
+
+def test_copy_on_write_copies_every_layer_of_each_pair_within_the_buffer():
+    buffer = random_buffer(8, torch.float32, seed=13)
+    expected = copied_block_by_block(buffer, [5, 0], buffer.clone(), [2, 7])
+    copy_blocks(buffer, [(2, 5), (7, 0)])
+    copy_blocks(buffer, [])
+    assert torch.equal(buffer, expected)

@@ -10,8 +10,9 @@ import torch
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import WARM_UP_MAX_TOKENS, WARM_UP_SHORT_PROMPT_TOKENS, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.sampler import SampleResult
+from engine.warm_up import WARM_UP_MAX_TOKENS, WARM_UP_SHORT_PROMPT_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

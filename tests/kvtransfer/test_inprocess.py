@@ -16,6 +16,7 @@ import zmq
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
+    TRANSPORT_NAMES,
     ChannelReceiver,
     ChannelSender,
     DescriptorMismatch,
@@ -26,6 +27,7 @@ from kvtransfer import (
 )
 from kvtransfer.ledger import TransferLedger
 from kvtransfer.messages import Begin, KVProtocolError, decode_header, encode_header
+from kvtransfer.strategies import DirectWrite, Streamed
 from kvtransfer.transports.base import plan_steps
 from kvtransfer.transports.registry import receiver_transport
 from kvtransfer.transports.shm_segment import SHM_DIR, SharedSegment, segment_name
@@ -78,12 +80,13 @@ def test_descriptor_mismatch_fails_at_connect_naming_both_values(node_id):
 
 
 def test_unknown_transport_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"'rdma'.*\['shm', 'cuda_ipc', 'zmq'\]"):
+    with pytest.raises(ValueError, match=r"'rdma'.*\['shm', 'cuda_ipc', 'zmq', 'inprocess'\]"):
         receiver_transport("rdma", "n")
+    assert TRANSPORT_NAMES == ("shm", "cuda_ipc", "zmq")  # the test double serves no node
 
 
 def test_ledger_refuses_blocks_held_by_another_transfer_and_completes_on_every_layer():
-    ledger = TransferLedger(num_blocks=8, num_layers=3, direct_write=True, release_grace_s=1)
+    ledger = TransferLedger(num_blocks=8, num_layers=3, strategy=DirectWrite(), release_grace_s=1)
     ledger.expect("a", [1, 2], deadline=10, now=0)
     with pytest.raises(ValueError, match="block 2 .* still held by transfer 'a'"):
         ledger.expect("b", [2, 3], deadline=10, now=0)
@@ -104,7 +107,7 @@ def test_ledger_refuses_blocks_held_by_another_transfer_and_completes_on_every_l
 
 
 def test_failed_direct_write_holds_blocks_until_abandon_or_deadline_plus_grace():
-    ledger = TransferLedger(num_blocks=8, num_layers=1, direct_write=True, release_grace_s=0.5)
+    ledger = TransferLedger(num_blocks=8, num_layers=1, strategy=DirectWrite(), release_grace_s=0.5)
     ledger.expect("granted", [1], deadline=10, now=0)
     ledger.expect("never-granted", [2], deadline=10, now=0)
     ledger.expect("abandoned", [3], deadline=10, now=0)
@@ -122,10 +125,21 @@ def test_failed_direct_write_holds_blocks_until_abandon_or_deadline_plus_grace()
     assert [e.kind for e in ledger.take_actions()[0]] == [TransferKind.RELEASED]
 
 
+def test_a_failed_streamed_transfer_releases_its_blocks_at_once():
+    ledger = TransferLedger(num_blocks=8, num_layers=1, strategy=Streamed(), release_grace_s=5)
+    ledger.expect("granted", [1], deadline=10, now=0)
+    ledger.grant("granted", b"w", now=1)
+    ledger.fail("granted", "granted aborted")
+    events, notices = ledger.take_actions()
+    assert [e.kind for e in events] == [TransferKind.FAILED, TransferKind.RELEASED]
+    assert [n[1].type for n in notices] == ["cancel"]
+    assert ledger.held_block_count() == 0
+
+
 def test_a_budgeted_transfer_waits_for_its_first_write_then_runs_its_own_clock():
     """A prompt queued on the prefill node longer than the transfer budget must not fail: the
     budget runs from the grant; only the (longer) wait deadline bounds the queueing."""
-    ledger = TransferLedger(num_blocks=8, num_layers=1, direct_write=True, release_grace_s=0.5)
+    ledger = TransferLedger(num_blocks=8, num_layers=1, strategy=DirectWrite(), release_grace_s=0.5)
     ledger.expect("queued-long", [1], deadline=100, now=0, budget_s=5)
     ledger.expect("never-begun", [2], deadline=100, now=0, budget_s=5)
     ledger.expire(60)  # far past the budget, inside the wait deadline
