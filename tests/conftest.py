@@ -44,6 +44,7 @@ SLOW_MODULES = (
     "engine/test_sampling.py",
     "kernels/test_prefill_attention.py",
     "kernels/test_triton_parity.py",
+    "nodes/test_disaggregated_nodes.py",
     "nodes/test_node_heartbeat.py",
 )
 

@@ -1,0 +1,151 @@
+"""A prefill node and a decode node in one process, their KV moved by the in-process transport
+and their messages handed over by the test: the tokens of every request equal the offline
+engine's, streamed in order from offset 0 (the prefill node's first token) on; an aborted request
+ends on both nodes; afterwards every block of both nodes is free again.
+
+The node loops do not run: the test calls `handle` and `work` itself, so everything between the
+router's Generate and the last TokenUpdate is exercised without a socket or a second process."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from decode_node.node import DecodeNode
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from node.config import NodeConfig
+from prefill_node.node import PrefillNode
+from wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
+
+PREFILL_ADDRESS = "tcp://127.0.0.1:3"
+DEADLINE_S = 60.0
+
+
+def capture_sends(node) -> None:
+    node.sent = []
+    node.send = lambda message, address=None: node.sent.append(message)
+
+
+@pytest.fixture
+def nodes(tiny_llama_dir):
+    tag = uuid.uuid4().hex[:10]
+
+    def config(role: str) -> NodeConfig:
+        return NodeConfig(
+            node_id=f"{role}{tag}",
+            listen_address="tcp://127.0.0.1:1",  # never bound: the loops do not run here
+            router_address="tcp://127.0.0.1:2",
+            kv_transport="inprocess",
+            kv_listen_address=f"ipc:///tmp/pdserve-test-{tag}",
+        )
+
+    decode = DecodeNode(
+        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=48),
+        config=config("d"),
+    )
+    prefill = PrefillNode(
+        engine_config=EngineConfig(
+            model=str(tiny_llama_dir), num_kv_blocks=48, max_num_batched_tokens=32
+        ),
+        config=config("p"),
+    )
+    capture_sends(decode)
+    capture_sends(prefill)
+    try:
+        yield decode, prefill
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def run_until_idle(decode: DecodeNode, prefill: PrefillNode) -> list:
+    """Hands messages between the nodes until both are idle; the messages for the router."""
+    to_router = []
+    deadline = time.monotonic() + DEADLINE_S
+    while decode.busy() or decode.pending or prefill.busy():
+        assert time.monotonic() < deadline, "the nodes did not finish in time"
+        decode.work()
+        for message in decode.sent:
+            if isinstance(message, PrefillRequest):
+                prefill.handle(message)
+            else:
+                to_router.append(message)
+        decode.sent.clear()
+        prefill.work()
+        for message in prefill.sent:
+            if isinstance(message, PrefillDone):
+                decode.handle(message)
+            else:
+                to_router.append(message)
+        prefill.sent.clear()
+    return to_router
+
+
+def tokens_by_request(to_router: list) -> dict[str, list[int]]:
+    """Each request's tokens, put in order by offset as the router does; every offset once."""
+    updates: dict[str, list] = {}
+    for message in to_router:
+        if isinstance(message, TokenBatch):
+            for update in message.updates:
+                updates.setdefault(update.request_id, []).append(update)
+    tokens = {}
+    for request_id, request_updates in updates.items():
+        request_updates.sort(key=lambda u: u.offset)
+        offsets = [u.offset + i for u in request_updates for i in range(len(u.token_ids))]
+        assert offsets == list(range(len(offsets))), (request_id, offsets)
+        tokens[request_id] = [t for u in request_updates for t in u.token_ids]
+    return tokens
+
+
+def assert_all_blocks_free(*nodes) -> None:
+    for node in nodes:
+        node.engine.check_integrity()
+        manager = node.engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks, node.node_id
+        assert not node.engine.held_blocks, node.node_id
+
+
+def test_tokens_equal_the_offline_engine_and_every_block_returns(nodes, tiny_llama_dir):
+    decode, prefill = nodes
+    prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(tiny_llama_dir)).generate(prompts, greedy)]
+    for i, prompt in enumerate(prompts):
+        decode.handle(
+            Generate(
+                f"r{i}",
+                prompt,
+                {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True},
+                prefill_address=PREFILL_ADDRESS,
+            )
+        )
+    to_router = run_until_idle(decode, prefill)
+    assert not [m for m in to_router if isinstance(m, RequestFailed)]
+    tokens = tokens_by_request(to_router)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert_all_blocks_free(decode, prefill)
+
+
+def test_an_abort_ends_the_request_on_both_nodes(nodes):
+    decode, prefill = nodes
+    params = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+    decode.handle(Generate("long", list(range(3, 90)), params, prefill_address=PREFILL_ADDRESS))
+    deadline = time.monotonic() + DEADLINE_S
+    while not prefill.requests:  # the prefill node has it: its KV is being written
+        assert time.monotonic() < deadline
+        decode.work()
+        for message in decode.sent:
+            if isinstance(message, PrefillRequest):
+                prefill.handle(message)
+        decode.sent.clear()
+    prefill.work()  # one chunk computed and written
+    for node in (decode, prefill):
+        node.handle(Abort("long"))
+    run_until_idle(decode, prefill)
+    while prefill.requests and time.monotonic() < deadline:  # its transfer's FAILED event
+        prefill.work()
+    assert not prefill.requests and not decode.pending
+    assert_all_blocks_free(decode, prefill)
