@@ -12,7 +12,7 @@ import pytest
 
 from decode_node.node import DecodeNode, Stage
 from engine.config import EngineConfig
-from node.config import NodeConfig
+from tests.nodes.unlooped import capture_sends, unlooped_config
 from wire.messages import Abort, Generate, PrefillRequest
 
 BLOCK_SIZE = 16
@@ -26,14 +26,9 @@ def node(tiny_llama_dir):
         engine_config=EngineConfig(
             model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
         ),
-        config=NodeConfig(
-            node_id=node_id,
-            listen_address="tcp://127.0.0.1:1",  # never bound: the loop does not run here
-            router_address="tcp://127.0.0.1:2",
-        ),
+        config=unlooped_config(node_id),
     )
-    decode.sent = []
-    decode.send = lambda message, address=None: decode.sent.append(message)
+    capture_sends(decode)
     yield decode
     decode.shutdown()
     assert not list(Path("/dev/shm").glob(f"*{node_id}*"))

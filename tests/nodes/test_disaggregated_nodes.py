@@ -18,15 +18,11 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from node.config import NodeConfig
 from prefill_node.node import PrefillNode
+from tests.nodes.unlooped import capture_sends, unlooped_config
 from wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
 
 PREFILL_ADDRESS = "tcp://127.0.0.1:3"
 DEADLINE_S = 60.0
-
-
-def capture_sends(node) -> None:
-    node.sent = []
-    node.send = lambda message, address=None: node.sent.append(message)
 
 
 @pytest.fixture
@@ -34,10 +30,8 @@ def nodes(tiny_llama_dir):
     tag = uuid.uuid4().hex[:10]
 
     def config(role: str) -> NodeConfig:
-        return NodeConfig(
-            node_id=f"{role}{tag}",
-            listen_address="tcp://127.0.0.1:1",  # never bound: the loops do not run here
-            router_address="tcp://127.0.0.1:2",
+        return unlooped_config(
+            f"{role}{tag}",
             kv_transport="inprocess",
             kv_listen_address=f"ipc:///tmp/pdserve-test-{tag}",
         )

@@ -20,39 +20,20 @@ from decode_node.node import DecodeNode
 from engine.config import EngineConfig
 from kvtransfer import KVDescriptor
 from kvtransfer.transports.shm_segment import segment_name
-from node.config import NodeConfig
 from prefill_node.node import PrefillNode
+from tests.nodes.unlooped import capture_sends, unlooped_config
 from wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
 
 NUM_BLOCKS = 16
 DEADLINE_S = 30.0
 
 
-def capture_sends(node) -> None:
-    node.sent = []
-    node.send = lambda message, address=None: node.sent.append(message)
-
-
 @pytest.fixture
 def nodes(tiny_llama_dir):
     tag = uuid.uuid4().hex[:10]
     engine_config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=NUM_BLOCKS)
-    decode = DecodeNode(
-        engine_config=engine_config,
-        config=NodeConfig(
-            node_id=f"d{tag}",
-            listen_address="tcp://127.0.0.1:1",  # never bound: the loops do not run here
-            router_address="tcp://127.0.0.1:2",
-        ),
-    )
-    prefill = PrefillNode(
-        engine_config=engine_config,
-        config=NodeConfig(
-            node_id=f"p{tag}",
-            listen_address="tcp://127.0.0.1:3",
-            router_address="tcp://127.0.0.1:2",
-        ),
-    )
+    decode = DecodeNode(engine_config=engine_config, config=unlooped_config(f"d{tag}"))
+    prefill = PrefillNode(engine_config=engine_config, config=unlooped_config(f"p{tag}"))
     capture_sends(decode)
     capture_sends(prefill)
     try:
