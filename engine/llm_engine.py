@@ -190,6 +190,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -178,7 +178,9 @@ class ModelRunner:
         )
         if sample:
             params = SamplingParams(
-                temperature=1.0, top_p=0.9, top_k=50, seed=0, logprobs=MAX_LOGPROBS, max_tokens=1
+                temperature=1.0, top_p=0.9, top_k=50, seed=0, logprobs=MAX_LOGPROBS, max_tokens=1,
+                presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05,
+                logit_bias={0: 1.0},
             )
             seqs = [
                 Sequence(f"profile-{i}", [0] * (shape.context_len + n), params, frozenset(), device)

@@ -12,8 +12,13 @@ from typing import Any
 from wire.limits import (
     GREEDY_TEMPERATURE_BELOW,
     INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
+    MIN_PENALTY,
     SEED_MAX,
     SEED_MIN,
 )
@@ -45,6 +50,45 @@ def _real(name: str, value: Any) -> float:
     return number
 
 
+def _logit_bias(value: Any) -> dict[int, float]:
+    """`value` as {token id: bias}. Keys are ints or strings of digits: JSON object keys are
+    strings, and so are the wire's (its msgpack maps take string keys only), so the router
+    passes a client's map through as it came and the conversion happens here, once."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(  # noqa: TRY004 (every bad parameter is a ValueError)
+            f"logit_bias must be a map of token ids to biases, got {type(value).__name__}"
+        )
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(
+            f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(value):,}"
+        )
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str):
+            if not (key.isascii() and key.isdigit() and len(key) <= 20):
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers or strings of digits), "
+                    f"got {_short(key)}"
+                )
+            key = int(key)
+        token_id = _integer("a logit_bias token id", key, 0, INT32_MAX)
+        if token_id in biases:
+            raise ValueError(f"logit_bias names token id {token_id} twice")
+        name = f"logit_bias[{token_id}]"
+        biases[token_id] = _in_range(name, bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return biases
+
+
+def _in_range(name: str, value: Any, low: float, high: float) -> float:
+    """`value` as a float in [low, high]; ValueError naming `name`, the value and the range."""
+    number = _real(name, value)
+    if not low <= number <= high:
+        raise ValueError(f"{name} must be between {low:g} and {high:g}, got {number}")
+    return number
+
+
 def _short(value: Any) -> str:
     """A value for an error message, cut short (a client can send a 4,000-digit integer)."""
     text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a huge integer"
@@ -63,6 +107,16 @@ class SamplingParams:
     match; `stop_token_ids` add to the model's own end-of-sequence ids, which `ignore_eos`
     disables; neither can stop before `min_tokens`. Every count is at most 2**31 - 1, so it
     fits any integer tensor; the engine checks token ids against the vocabulary.
+
+    Penalties and biases (vLLM's semantics; engine/logits_processors.py applies them, to greedy
+    rows too): `presence_penalty` and `frequency_penalty` (each in [-2, 2], 0 is off) subtract
+    presence * (count > 0) + frequency * count from each token's logit, counting the tokens
+    generated so far; `repetition_penalty` (in (0, 2], 1 is off) divides the positive logits
+    and multiplies the others of every token in the prompt or the output so far;
+    `logit_bias` maps token ids (ints, or strings of digits as JSON sends them) to a bias in
+    [-100, 100] added to the logit, at most 1,024 of them, and is always a dict[int, float]
+    after construction. `min_p` (in [0, 1], 0 is off) drops, in random rows, the tokens whose
+    probability after temperature is below min_p times the most likely one's.
     """
 
     temperature: float = 1.0
@@ -76,6 +130,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         self.max_tokens = _integer("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -119,7 +178,26 @@ class SamplingParams:
         self.stop_token_ids = [
             _integer("a stop_token_ids entry", t, 0, INT32_MAX) for t in stop_ids
         ]
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _in_range(name, getattr(self, name), MIN_PENALTY, MAX_PENALTY))
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}"
+            )
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.min_p = _in_range("min_p", self.min_p, 0.0, 1.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (the sampler then reads the sequence's token history)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

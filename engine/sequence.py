@@ -8,6 +8,7 @@ to SWAPPED (KV copied to the host blocks in `host_block_table`, `num_computed_to
 waiting in the same queue, and copied back in when admitted again).
 
 `priority`: lower is more important (as in vLLM's API); `arrival_time` orders equals.
+`token_ids` only grows (prompt, then each appended output token), whatever the state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -56,6 +58,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self._token_id_buffer = np.empty(0, dtype=np.int64)
+        self._num_buffered_token_ids = 0
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
@@ -75,6 +79,20 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def token_id_array(self) -> np.ndarray:
+        """`token_ids` as an int64 array, for the sampler's batched penalties. Kept as the
+        sequence grows: a call copies only the ids appended since the last one (whoever
+        appended them), so a step costs O(new tokens) in Python, not O(history)."""
+        num_tokens = len(self.token_ids)
+        start = self._num_buffered_token_ids
+        if num_tokens > len(self._token_id_buffer):
+            grown = np.empty(max(num_tokens, 2 * len(self._token_id_buffer)), dtype=np.int64)
+            grown[:start] = self._token_id_buffer[:start]
+            self._token_id_buffer = grown
+        self._token_id_buffer[start:num_tokens] = self.token_ids[start:]
+        self._num_buffered_token_ids = num_tokens
+        return self._token_id_buffer[:num_tokens]
 
     @property
     def num_uncomputed_tokens(self) -> int:

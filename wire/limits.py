@@ -14,3 +14,13 @@ GREEDY_TEMPERATURE_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 # torch.Generator.manual_seed takes [-2**63, 2**64); requests keep to signed 64-bit.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# OpenAI's range for presence_penalty and for frequency_penalty.
+MIN_PENALTY, MAX_PENALTY = -2.0, 2.0
+# repetition_penalty is in (0, MAX_REPETITION_PENALTY] (1 is off). vLLM takes any positive value;
+# at 2 a seen token's positive logit is already halved and its negative logit doubled, which
+# pushes the model off every word of its prompt; larger values only wreck the text (and are
+# usually a typo, 12 for 1.2), so they are refused rather than obeyed.
+MAX_REPETITION_PENALTY = 2.0
+# OpenAI's range for each logit_bias value; a request biases at most MAX_LOGIT_BIAS_ENTRIES ids.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
