@@ -9,7 +9,8 @@ Two checks, both answered 429 with an OpenAI error body and `Retry-After`:
   admit(n, k)   after tokenization, in the same event-loop turn as the submit (no await in
                 between, so concurrent requests cannot all squeeze past the bound): would n
                 more sub-requests of k prompt tokens each pass a bound? A request that alone
-                exceeds the token bound is admitted only into an empty queue.
+                exceeds the token bound is admitted only into an empty queue. `admit_batch`
+                does the same for sub-requests of different prompts (a batch of prompts).
 Each admitted sub-request leaves the queue once (`leave`) at its first token, its end or its
 abort, whichever comes first. The bounds are read from the config at every check.
 """
@@ -50,8 +51,13 @@ class AdmissionQueue:
             raise self._busy(f"{self.num_tokens:,} prompt tokens are queued")
 
     def admit(self, num_requests: int, num_prompt_tokens: int) -> None:
+        self.admit_batch([num_prompt_tokens] * num_requests)
+
+    def admit_batch(self, prompt_lengths: list[int]) -> None:
+        """As `admit`, for sub-requests of different prompt lengths (one length each)."""
         config = self.config
-        tokens = num_requests * num_prompt_tokens
+        num_requests = len(prompt_lengths)
+        tokens = sum(prompt_lengths)
         if self.num_requests + num_requests > config.max_queued_requests:
             raise self._busy(
                 f"{self.num_requests:,} requests are queued and this one adds {num_requests}"

@@ -1,8 +1,9 @@
 """The router's FastAPI app: `create_app(config)` builds everything (tokenizer, node client,
 metrics; router/state.py) per app; nothing is module-global.
 
-Routes (handlers in router/routes.py): POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /health, GET /metrics.
+Routes (handlers in router/routes.py and router/tokenization.py): POST /v1/completions,
+POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model_id}, POST /tokenize,
+POST /detokenize, GET /health, GET /metrics.
 
 Every request runs behind `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
 on a connection that stays usable, and a generation is closed (its admission places and node
@@ -18,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from router import routes
+from router import routes, tokenization
 from router.auth import APIKeyMiddleware
 from router.config import RouterConfig
 from router.errors import RequestGuard, install_error_handlers
@@ -47,6 +48,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
     return app

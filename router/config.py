@@ -29,6 +29,8 @@ class RouterConfig:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_n: int = 8
+    # Completions with a list of prompts: prompts x n per request (router/prompts.py).
+    max_choices: int = 64
     max_stop: int = 4
     # Admission: sub-requests (n per request) accepted and not yet started (no token back),
     # and their prompt tokens; past either bound the router answers 429 (router/admission.py).
@@ -54,7 +56,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         nodes = [("--node", parse_node_spec(spec)[1]) for spec in self.node_addresses]
         self.cluster_auth.check_addresses([("--listen", self.listen_address), *nodes])
-        for name in ("max_queued_requests", "max_queued_tokens", "max_stream_buffer_tokens"):
+        for name in (
+            "max_queued_requests", "max_queued_tokens", "max_stream_buffer_tokens", "max_choices"
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; expected an integer >= 1")

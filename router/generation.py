@@ -1,5 +1,6 @@
-"""One API request's generation: `n` node sub-requests read from one merged queue, each
-detokenized incrementally and cut at its stop strings, yielded as per-choice events.
+"""One API request's generation: `n` node sub-requests (the choices: n per prompt, for each
+prompt of a batch, router/prompts.py) read from one merged queue, each detokenized
+incrementally and cut at its stop strings, yielded as per-choice events.
 
 `events()` ends when every choice has finished; its `finally` (and `close()`) aborts every
 sub-request still running on the node, so a cancelled stream, a closed generator, a client
@@ -98,7 +99,6 @@ class _Choice:
     num_cached_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None
-    queued: bool = False
     text_parts: list[str] = field(default_factory=list)
 
 
@@ -123,13 +123,14 @@ class Generation:
         self.queue = UpdateQueue(max_buffer_tokens, self._overflow)
         self.choices: list[_Choice] = []
         self._by_request_id: dict[str, _Choice] = {}
-        self._num_admitted = 0  # admission places held: sub-requests not started yet
+        self._places: dict[int, int] = {}  # choice -> its prompt tokens, while it holds a place
         self.poll_disconnect: Callable[[], Awaitable[bool]] | None = None
         self._poll_at = 0.0
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.plan.prompt_ids)
+        """The prompts' tokens, each prompt counted once (not once per choice)."""
+        return sum(len(prompt) for prompt in self.plan.prompts)
 
     @property
     def completion_tokens(self) -> int:
@@ -137,8 +138,13 @@ class Generation:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens the node served from its prefix cache (the best of the n choices)."""
-        return max((c.num_cached_tokens for c in self.choices), default=0)
+        """Prompt tokens the nodes served from their prefix caches: per prompt, the best of
+        its choices."""
+        best: dict[int, int] = {}
+        for c in self.choices:
+            prompt = c.index // self.plan.choices_per_prompt
+            best[prompt] = max(best.get(prompt, 0), c.num_cached_tokens)
+        return sum(best.values())
 
     def start(self) -> None:
         """Takes the choices' places in the admission queue (429 when it is full), then
@@ -147,29 +153,26 @@ class Generation:
         in one event-loop turn. On any error the places taken and the choices already
         submitted stay held until `close()`, which the owner calls in every case."""
         if self.admission is not None:
-            self.admission.admit(self.plan.n, self.prompt_tokens)
-            self._num_admitted = self.plan.n
+            lengths = [len(self.plan.prompt_of(i)) for i in range(self.plan.n)]
+            self.admission.admit_batch(lengths)
+            self._places = dict(enumerate(lengths))
         for index, sampling in enumerate(self.plan.samplings):
             sub_id = f"{self.request_id}-{index}"
-            self._submit(sub_id, sampling)
+            prompt = self.plan.prompt_of(index)
+            self._submit(sub_id, prompt, sampling)
             choice = _Choice(
                 index,
                 sub_id,
-                IncrementalDetokenizer(
-                    self.tokenizer, self.plan.prompt_ids, self.plan.skip_special_tokens
-                ),
+                IncrementalDetokenizer(self.tokenizer, prompt, self.plan.skip_special_tokens),
                 StopStringMatcher(self.plan.stop),
                 time.monotonic(),
-                queued=self.admission is not None,
             )
             self.choices.append(choice)
             self._by_request_id[sub_id] = choice
 
-    def _submit(self, sub_id: str, sampling: dict[str, Any]) -> None:
+    def _submit(self, sub_id: str, prompt: list[int], sampling: dict[str, Any]) -> None:
         try:
-            self.client.submit(
-                sub_id, self.plan.prompt_ids, sampling, self.queue, self.plan.priority
-            )
+            self.client.submit(sub_id, prompt, sampling, self.queue, self.plan.priority)
         except KeyError:
             raise  # a bug, not a missing node (KeyError is a LookupError)
         except (LookupError, RuntimeError) as error:
@@ -193,25 +196,20 @@ class Generation:
         """Aborts every sub-request that has not finished and gives back every admission
         place still held (idempotent, never blocks, never raises)."""
         for choice in self.choices:
-            self._started(choice)
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 self.client.abort(choice.request_id)
-        self._leave_admission(self._num_admitted)
+        for index in list(self._places):
+            self._leave_admission(index)
 
     def _started(self, choice: _Choice) -> None:
-        """The choice leaves the admission queue (once)."""
-        if choice.queued:
-            choice.queued = False
-            self._leave_admission(1)
+        self._leave_admission(choice.index)
 
-    def _leave_admission(self, num_requests: int) -> None:
-        if self.admission is None:
-            return
-        num_requests = min(num_requests, self._num_admitted)
-        self._num_admitted -= num_requests
-        for _ in range(num_requests):
-            self.admission.leave(self.prompt_tokens)
+    def _leave_admission(self, index: int) -> None:
+        """Choice `index` gives back its place in the admission queue (once)."""
+        num_tokens = self._places.pop(index, None)
+        if num_tokens is not None and self.admission is not None:
+            self.admission.leave(num_tokens)
 
     def _overflow(self) -> None:
         """The client reads slower than the nodes generate and the buffer is full."""

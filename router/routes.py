@@ -3,12 +3,14 @@
 
 Request flow of the completions routes: admission queue full (429, before any parsing or
 tokenization) -> read the body (413/400; the server bounds how long it may take) -> validate
-(400) -> model (404) -> prompt characters vs. context (400, without tokenizing:
-`max_chars_per_token`) -> in a worker thread, never on the event loop: parameter checks (400)
--> a live node (503) -> chat template and tokenizing -> prompt ids vs. vocabulary and context
-(400) -> back on the loop: draining after SIGTERM (503, router/drain.py) -> prompt and
+(400: types, then parameters not implemented, router/unsupported.py; unknown fields logged)
+-> model (404) -> (chat) prompt characters vs. context (400, without tokenizing:
+`max_chars_per_token`) -> in a worker thread, never on the event loop: parameter checks and
+the prompts' forms and number (400) -> a live node (503) -> (completions) each prompt's
+characters vs. context -> chat template and tokenizing -> prompt ids vs. vocabulary and
+context (400) -> back on the loop: draining after SIGTERM (503, router/drain.py) -> prompt and
 completion vs. the largest live KV cache (400: it could never be served) -> admission queue
-bounds (429) -> submit n sub-requests -> JSON or SSE answer. A client that goes away gets
+bounds (429) -> submit prompts x n sub-requests -> JSON or SSE answer. A client that goes away gets
 every sub-request aborted; so does a stream whose client stops reading (router/sse.py,
 router/generation.py).
 """
@@ -30,6 +32,7 @@ from router.responses import Responder
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import EventStreamResponse
 from router.state import RouterState
+from router.unsupported import check_not_implemented, known_fields, unknown_fields
 from router.validation import Plan, check_kv_capacity, check_model, plan_chat, plan_completion
 
 logger = logging.getLogger(__name__)
@@ -39,12 +42,12 @@ async def completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
     state.admission.check_room()
-    req = _parse(CompletionRequest, await read_json_object(request, config.max_body_bytes))
+    data = await read_json_object(request, config.max_body_bytes)
+    req = parse_request(state, CompletionRequest, data, "/v1/completions")
     check_model(req.model, config.model_name)
-    limits = state.limits_now()
-    if isinstance(req.prompt, str):
-        state.check_prompt_chars(len(req.prompt), limits, "prompt")
-    plan = await state.tokenizer_threads.run(plan_completion, req, config, state.tokenizer, limits)
+    plan = await state.tokenizer_threads.run(
+        plan_completion, req, config, state.tokenizer, state.limits_now(), state.check_prompt_chars
+    )
     return await _generate(request, state, False, req, plan)
 
 
@@ -53,7 +56,7 @@ async def chat_completions(request: Request) -> Response:
     config = state.config
     state.admission.check_room()
     data = await read_json_object(request, config.max_body_bytes)
-    req = _parse(ChatCompletionRequest, data)
+    req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")
     check_model(req.model, config.model_name)
     limits = state.limits_now()
     num_chars = sum(len(message.text()) for message in req.messages)
@@ -62,8 +65,7 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, state, True, req, plan)
 
 
-async def models(request: Request) -> dict[str, Any]:
-    state: RouterState = request.app.state.router
+def _model_card(state: RouterState) -> dict[str, Any]:
     node = state.client.live_node()
     card: dict[str, Any] = {
         "id": state.config.model_name,
@@ -75,7 +77,18 @@ async def models(request: Request) -> dict[str, Any]:
     }
     if node is not None:
         card["max_model_len"] = node.stats.max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request.app.state.router)]}
+
+
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    """`GET /v1/models/{model_id}` (the id may hold slashes: a model path)."""
+    state: RouterState = request.app.state.router
+    check_model(model_id, state.config.model_name)
+    return _model_card(state)
 
 
 async def health(request: Request) -> Response:
@@ -99,6 +112,17 @@ def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
         return model.model_validate(data)
     except ValidationError as error:
         raise validation_error(list(error.errors(include_input=False))) from None
+
+
+def parse_request(
+    state: RouterState, model: type[BaseModel], data: dict[str, Any], route: str
+) -> Any:
+    """The parsed request of any route; 400 for a wrong type or a parameter pdserve does not
+    implement, a warning (once per name) for an unknown field (router/unsupported.py)."""
+    req = _parse(model, data)
+    check_not_implemented(data)
+    state.unknown_fields.note(route, unknown_fields(data, known_fields(model)))
+    return req
 
 
 async def _generate(

@@ -5,7 +5,10 @@ validation error that `errors.validation_error` turns into a 400. Range checks t
 router's settings or the node's limits live in `validation.py`, which bounds every number.
 Strings are bounded by the body size; `user` (accepted, unused) and the `stop` strings (in
 validation.py: the router matches them against every token's text) also by a length of their
-own. Responses are plain dicts.
+own. The models hold the implemented fields only and ignore the others: router/unsupported.py
+refuses the known ones pdserve does not implement and warns about unknown ones. A completions
+`prompt` is one of OpenAI's four forms, told apart in router/prompts.py. Responses are plain
+dicts.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class _CommonParams(_Request):
 
 
 class CompletionRequest(_CommonParams):
-    prompt: str | list[int]
+    prompt: str | list[Any]  # text, token ids, or a list of either (router/prompts.py)
     logprobs: int | None = None
 
 
@@ -57,7 +60,8 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # "tool" and "function" parse, to be refused by name (router/unsupported.py)
+    role: Literal["system", "user", "assistant", "tool", "function", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -74,6 +78,22 @@ class ChatCompletionRequest(_CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: `prompt`, or `messages` (router/tokenization.py)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for chat
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 Usage = dict[str, Any]

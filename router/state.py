@@ -21,6 +21,7 @@ from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.node_registry import NodeState
 from router.prompt_chars import max_chars_per_token
+from router.unsupported import UnknownFieldLog
 from router.validation import KVCapacity, Limits
 from text.tokenizer import load_tokenizer
 
@@ -76,6 +77,7 @@ class RouterState:
         self.formatter = LogprobFormatter(self.tokenizer)
         self.tokenizer_threads = WorkerThreads(NUM_TOKENIZER_THREADS, "router-tokenize")
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
+        self.unknown_fields = UnknownFieldLog()
         self.created = int(time.time())
         self.draining = False  # set on SIGTERM (router/drain.py): new requests get 503
 

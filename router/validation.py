@@ -21,6 +21,7 @@ from typing import Any
 
 from router.config import RouterConfig
 from router.errors import APIError, invalid
+from router.prompts import PromptInput, check_num_choices, split_prompts
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from wire.limits import (
     GREEDY_TEMPERATURE_BELOW,
@@ -35,13 +36,15 @@ MAX_STOP_STRING_CHARS = 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 Limits = Callable[[], "tuple[int, int]"]
+CheckChars = Callable[[int, Limits, str], None]  # (characters, limits, param): RouterState's
 
 
 @dataclass
 class Plan:
-    """A validated request, ready to submit as `n` sub-requests."""
+    """A validated request, ready to submit as `n` sub-requests (choices): `choices_per_prompt`
+    for each prompt, in order, so choice `i` answers prompt `i // choices_per_prompt`."""
 
-    prompt_ids: list[int]
+    prompts: list[list[int]]
     samplings: list[dict[str, Any]]
     stop: list[str]
     skip_special_tokens: bool = True
@@ -52,6 +55,13 @@ class Plan:
     @property
     def n(self) -> int:
         return len(self.samplings)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return len(self.samplings) // len(self.prompts)
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.choices_per_prompt]
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -136,14 +146,16 @@ def check_unicode(text: str, param: str) -> None:
         )
 
 
-def completion_prompt(req: CompletionRequest, tokenizer: Any) -> list[int]:
-    """The prompt's token ids; 400 naming 'prompt' for text the tokenizer cannot encode."""
-    if not isinstance(req.prompt, str):
-        return list(req.prompt)
+def prompt_ids(prompt: PromptInput, tokenizer: Any) -> list[int]:
+    """The prompt's token ids; 400 naming it for text the tokenizer cannot encode."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
     try:
-        return list(tokenizer.encode(req.prompt))
+        return list(tokenizer.encode(prompt.text))
     except Exception:  # noqa: BLE001 (whatever the tokenizer refuses is the client's text)
-        raise invalid("'prompt' is text the model's tokenizer cannot encode.", "prompt") from None
+        raise invalid(
+            f"'{prompt.param}' is text the model's tokenizer cannot encode.", prompt.param
+        ) from None
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
@@ -201,11 +213,15 @@ class KVCapacity:
 def check_kv_capacity(plan: Plan, capacity: KVCapacity) -> None:
     """400 for a request that fits the context length but no node's whole KV cache: it could
     never be scheduled, so it is refused at once instead of waiting for blocks forever."""
-    block_size = capacity.block_size
-    if block_size < 1:
+    if capacity.block_size < 1:
         return
-    prompt = len(plan.prompt_ids)
-    max_tokens = max((s["max_tokens"] for s in plan.samplings), default=0)
+    for choice, sampling in enumerate(plan.samplings):
+        if choice % plan.choices_per_prompt == 0:
+            _check_kv_need(len(plan.prompt_of(choice)), sampling["max_tokens"], capacity)
+
+
+def _check_kv_need(prompt: int, max_tokens: int, capacity: KVCapacity) -> None:
+    block_size = capacity.block_size
     needs = [
         ("decode" if capacity.prefill_blocks is not None else "colocated", prompt + max_tokens,
          capacity.serving_blocks, "prompt and completion"),
@@ -255,30 +271,45 @@ def samplings(
 
 
 def plan_completion(
-    req: CompletionRequest, config: RouterConfig, tokenizer: Any, limits: Limits
+    req: CompletionRequest,
+    config: RouterConfig,
+    tokenizer: Any,
+    limits: Limits,
+    check_chars: CheckChars | None = None,
 ) -> Plan:
-    """Checks the parameters, then (only then) asks `limits()` for the node's context length
-    and vocabulary size (it raises the 503 when no node is alive) to check the prompt."""
+    """Checks the parameters and the form and number of the prompts, then (only then) asks
+    `limits()` for the node's context length and vocabulary size (it raises the 503 when no
+    node is alive) and checks each prompt: its characters (`check_chars`, before tokenizing),
+    its token ids and its length with the completion's."""
     stop = check_common(req, req.max_tokens, config)
     check_logprobs(req.logprobs, "logprobs")
-    if not req.prompt:
-        raise invalid("'prompt' must not be empty.", "prompt")
-    if isinstance(req.prompt, str):
-        check_unicode(req.prompt, "prompt")
+    prompts = split_prompts(req.prompt)
+    check_num_choices(len(prompts), req.n, config.max_choices)
+    for prompt in prompts:
+        if prompt.text is not None:
+            if not prompt.text:
+                raise invalid(f"'{prompt.param}' must not be empty.", prompt.param)
+            check_unicode(prompt.text, prompt.param)
     max_model_len, vocab_size = limits()
-    ids = completion_prompt(req, tokenizer)
-    check_prompt_ids(ids, vocab_size, "prompt")
-    max_tokens = resolve_max_tokens(
-        req.max_tokens,
-        DEFAULT_COMPLETION_MAX_TOKENS,
-        len(ids),
-        max_model_len,
-        ("max_tokens", "prompt"),
-    )
-    check_min_tokens(req.min_tokens, max_tokens)
+    all_ids, all_samplings = [], []
+    for prompt in prompts:
+        if prompt.text is not None and check_chars is not None:
+            check_chars(len(prompt.text), limits, prompt.param)
+        ids = prompt_ids(prompt, tokenizer)
+        check_prompt_ids(ids, vocab_size, prompt.param)
+        max_tokens = resolve_max_tokens(
+            req.max_tokens,
+            DEFAULT_COMPLETION_MAX_TOKENS,
+            len(ids),
+            max_model_len,
+            ("max_tokens", prompt.param),
+        )
+        check_min_tokens(req.min_tokens, max_tokens)
+        all_ids.append(ids)
+        all_samplings += samplings(req, max_tokens, req.logprobs, vocab_size)
     return Plan(
-        ids,
-        samplings(req, max_tokens, req.logprobs, vocab_size),
+        all_ids,
+        all_samplings,
         stop,
         req.skip_special_tokens,
         req.logprobs,
@@ -308,7 +339,7 @@ def plan_chat(
     )
     check_min_tokens(req.min_tokens, max_tokens)
     return Plan(
-        ids,
+        [ids],
         samplings(req, max_tokens, logprobs, vocab_size),
         stop,
         req.skip_special_tokens,

@@ -151,7 +151,8 @@ HOSTILE = st.sampled_from(HOSTILE_VALUES) | st.sampled_from([1, 2, 0.5, "ok", ["
 NUMERIC_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_tokens",
                   "priority"]
 STRING_FIELDS = ["stop", "stop[]", "user", "model"]
-COMPLETION_FIELDS = [*NUMERIC_FIELDS, *STRING_FIELDS, "logprobs", "prompt", "prompt[]"]
+COMPLETION_FIELDS = [*NUMERIC_FIELDS, *STRING_FIELDS, "logprobs", "prompt", "prompt[]",
+                     "prompt[][]", "presence_penalty", "unknown_field"]
 CHAT_FIELDS = [*NUMERIC_FIELDS, *STRING_FIELDS, "max_completion_tokens", "logprobs",
                "top_logprobs", "content"]
 
@@ -165,6 +166,8 @@ def hostile_body(chat: bool, stream: bool, hostile: dict) -> dict:
     for field, value in hostile.items():
         if field == "prompt[]":
             body["prompt"] = [5, value]
+        elif field == "prompt[][]":  # a batch: a second prompt (or what stands for one)
+            body["prompt"] = [[5, 6], value]
         elif field == "stop[]":
             body["stop"] = ["\n", value]
         elif field == "content":

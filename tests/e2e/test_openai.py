@@ -230,3 +230,93 @@ def test_malformed_json_and_oversized_bodies_are_rejected(server):
         headers={"content-type": "application/json"},
     )
     assert huge.status_code == 413
+
+
+# -- API fidelity: batched prompts, refused parameters, models/{id}, tokenize --------------
+
+BATCH = ["The capital of France is", "One, two, three,"]
+
+
+def _greedy(client, model_name, prompt, **params) -> list[str]:
+    out = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True}, **params,
+    )
+    return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_batched_string_prompts_answer_each_prompt_n_times_in_order(
+    client, model_name, default_model_dir
+):
+    tokenizer = load_tokenizer(default_model_dir)
+    solo = [_greedy(client, model_name, prompt)[0] for prompt in BATCH]
+    out = client.completions.create(
+        model=model_name, prompt=BATCH, n=2, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    by_index = {c.index: c.text for c in out.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert [by_index[i] for i in range(4)] == [solo[0], solo[0], solo[1], solo[1]]
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in BATCH)
+    assert out.usage.completion_tokens == 4 * 6
+
+
+def test_batched_token_prompts_stream_every_index(client, model_name, default_model_dir):
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [tokenizer.encode(p) for p in BATCH]
+    solo = [_greedy(client, model_name, ids)[0] for ids in prompts]
+    stream = client.completions.create(
+        model=model_name, prompt=prompts, n=2, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(4)] == [solo[0], solo[0], solo[1], solo[1]]
+    assert usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert usage.completion_tokens == 4 * 6
+
+
+def test_a_parameter_that_is_not_implemented_is_a_bad_request_naming_it(client, model_name):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
+                                  presence_penalty=0.5)
+    assert refused.value.param == "presence_penalty"
+    assert "not supported" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert refused.value.param == "tools"
+    neutral = client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
+                                        presence_penalty=0, frequency_penalty=0)
+    assert neutral.choices[0].finish_reason == "length"
+
+
+def test_models_retrieve_finds_the_served_model_and_404s_others(client, model_name):
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_tokenize_and_detokenize_round_trip_the_tokenizer(server, model_name, default_model_dir):
+    tokenizer = load_tokenizer(default_model_dir)
+    text = "Tokenize me, please."
+    out = httpx.post(f"{server}/tokenize", json={"model": model_name, "prompt": text}, timeout=30)
+    assert out.status_code == 200, out.text
+    data = out.json()
+    assert data["tokens"] == tokenizer.encode(text) and data["count"] == len(data["tokens"])
+    assert data["max_model_len"] > 0
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{server}/tokenize", json={"model": model_name, "messages": messages,
+                                                  "add_generation_prompt": True}, timeout=30)
+    assert chat.json()["tokens"] == tokenizer.apply_chat_template(messages)
+    back = httpx.post(f"{server}/detokenize", json={"model": model_name,
+                                                    "tokens": data["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": tokenizer.decode(data["tokens"])}
+    bad = httpx.post(f"{server}/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

@@ -204,7 +204,7 @@ def test_a_sampling_value_too_large_for_the_wire_is_a_400_naming_it(tokenizer, t
     app = make_app(tokenizer, tmp_path, node_stats())
     state = app.state.router
     FakeNode(tokenizer, fail_at=0, error=OverflowError("Integer value out of range")).install(app)
-    plan = Plan([5, 6], [{"top_k": 1 << 70, "max_tokens": 4}], [])
+    plan = Plan([[5, 6]], [{"top_k": 1 << 70, "max_tokens": 4}], [])
     generation = Generation("cmpl-x", plan, state.client, tokenizer, state.metrics, state.admission)
     with pytest.raises(APIError) as refused:
         generation.start()

@@ -209,7 +209,7 @@ def _generation(http_app_state, prompt_ids, n=2):
         "skip_special_tokens": True,
         "seed": None,
     }
-    plan = Plan(prompt_ids, [dict(sampling) for _ in range(n)], [])
+    plan = Plan([prompt_ids], [dict(sampling) for _ in range(n)], [])
     state = http_app_state
     return Generation("cmpl-test", plan, state.client, state.tokenizer, state.metrics)
 

@@ -115,7 +115,6 @@ COMPLETION_CASES = [
     ({"max_tokens": True}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),
     ({"prompt": 5}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
     ({"stream": "yes"}, "stream"),
     ({"stop": 3}, "stop"),
     ({"prompt": ""}, "prompt"),

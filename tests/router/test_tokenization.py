@@ -1,0 +1,138 @@
+"""`GET /v1/models/{id}`, `POST /tokenize` and `POST /detokenize` (router/tokenization.py):
+vLLM's shapes, answers equal to the tokenizer's, inputs bounded and refused by field name."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from router.app import create_app
+from router.config import RouterConfig
+from tests.router.test_validation import _stats, assert_error
+
+MODEL = "org/tiny-model"  # an id with a slash, as a model path would be
+TEXT = "The capital of France is Paris."
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+
+@pytest.fixture(scope="module")
+def app(tiny_llama_dir):
+    config = RouterConfig(
+        model_path=tiny_llama_dir,
+        served_model_name=MODEL,
+        node_addresses=["tcp://127.0.0.1:1"],
+        listen_address="tcp://127.0.0.1:2",
+        max_body_bytes=4096,
+    )
+    return create_app(config)
+
+
+@pytest.fixture
+def client(app):
+    app.state.router.client.nodes[0].stats = None
+    return TestClient(app)
+
+
+@pytest.fixture
+def live(app, client):
+    app.state.router.client.record_stats(_stats(max_model_len=64))
+    return client
+
+
+@pytest.fixture
+def tokenizer(app):
+    return app.state.router.tokenizer
+
+
+def test_a_model_is_retrieved_by_its_id(live):
+    card = live.get(f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 64
+    assert card == live.get("/v1/models").json()["data"][0]
+
+
+def test_an_unknown_model_id_is_404_with_an_openai_error(client):
+    error = assert_error(client.get("/v1/models/no-such-model"), 404, "model")
+    assert error["code"] == "model_not_found" and "no-such-model" in error["message"]
+    assert_error(client.get(f"/v1/models/{MODEL}/extra"), 404, "model")
+
+
+def test_tokenize_a_prompt_equals_the_tokenizer(live, tokenizer):
+    out = live.post("/tokenize", json={"model": MODEL, "prompt": TEXT}).json()
+    assert out == {"count": len(tokenizer.encode(TEXT)), "max_model_len": 64,
+                   "tokens": tokenizer.encode(TEXT)}
+    bare = live.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode(TEXT, add_special_tokens=False)
+    strs = live.post("/tokenize", json={"prompt": TEXT, "return_token_strs": True}).json()
+    assert strs["token_strs"] == [tokenizer.convert_ids_to_tokens(t) for t in strs["tokens"]]
+
+
+def test_tokenize_messages_equals_the_chat_template(live, tokenizer):
+    body = {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": True}
+    out = live.post("/tokenize", json=body).json()
+    assert out["tokens"] == tokenizer.apply_chat_template(MESSAGES)
+    assert out["count"] == len(out["tokens"])
+
+
+def test_detokenize_round_trips_the_tokenizer(live, tokenizer):
+    ids = live.post("/tokenize", json={"model": MODEL, "prompt": TEXT}).json()["tokens"]
+    out = live.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert out == {"prompt": tokenizer.decode(ids)}
+    assert TEXT in out["prompt"]
+
+
+def test_detokenize_needs_no_live_node(client, tokenizer):
+    r = client.post("/detokenize", json={"tokens": [5, 6, 7]})
+    assert r.status_code == 200 and r.json()["prompt"] == tokenizer.decode([5, 6, 7])
+
+
+BAD_TOKENIZE = [
+    ({}, 400, "prompt"),
+    ({"prompt": TEXT, "messages": MESSAGES}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": TEXT, "model": "other"}, 404, "model"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ({"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens"),
+    ({"messages": MESSAGES, "chat_template": "{{ x }}"}, 400, "chat_template"),
+    ({"messages": [{"role": "tool", "content": "1"}]}, 400, "messages[0].role"),
+    ({"prompt": "x" * 3000}, 400, "prompt"),  # more characters than 64 tokens can hold
+    ({"prompt": "x" * 5000}, 413, None),
+    ({"prompt": TEXT, "return_token_strs": "yes"}, 400, "return_token_strs"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_TOKENIZE)
+def test_bad_tokenize_requests_name_the_field(live, body, status, param):
+    assert_error(live.post("/tokenize", json=body), status, param)
+
+
+BAD_DETOKENIZE = [
+    ({}, 400, "tokens"),
+    ({"tokens": "5 6"}, 400, "tokens"),
+    ({"tokens": [5, "6"]}, 400, "tokens[1]"),
+    ({"tokens": [5, 1.0]}, 400, "tokens[1]"),
+    ({"tokens": [5, -1]}, 400, "tokens"),
+    ({"tokens": [5, 2**70]}, 400, "tokens"),
+    ({"tokens": [5], "model": "other"}, 404, "model"),
+    ({"tokens": [55] * 2000}, 413, None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_DETOKENIZE)
+def test_bad_detokenize_requests_name_the_field(client, body, status, param):
+    assert_error(client.post("/detokenize", json=body), status, param)
+
+
+def test_detokenize_refuses_ids_past_the_tokenizers_vocabulary(client, tokenizer):
+    error = assert_error(client.post("/detokenize", json={"tokens": [len(tokenizer)]}), 400,
+                         "tokens")
+    assert str(len(tokenizer)) in error["message"]
+
+
+def test_tokenize_without_a_live_node_is_503(client):
+    assert_error(client.post("/tokenize", json={"prompt": TEXT}), 503)
+
+
+def test_unknown_tokenize_fields_are_accepted(live):
+    assert live.post("/tokenize", json={"prompt": TEXT, "frobnicate": 1}).status_code == 200
