@@ -47,6 +47,13 @@ class _CommonParams(_Request):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)  # lower is served first
     skip_special_tokens: bool = True
+    # the next-token distribution (router/logit_controls.py)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_CommonParams):

@@ -2,7 +2,7 @@
 
 Never silent: a known OpenAI or vLLM parameter that pdserve does not implement is a 400 naming
 it, unless it holds its neutral value (the one that leaves the output as if it were absent:
-`presence_penalty: 0`, `tools: []`, null). `NOT_IMPLEMENTED` is the one table of them;
+`length_penalty: 1`, `tools: []`, null). `NOT_IMPLEMENTED` is the one table of them;
 implementing a parameter means adding it to router/schemas.py and removing its entry here.
 The chat history is held to the same rule: tool and function messages, and assistant messages
 that carry tool or function calls, are refused naming `messages[i].<field>`.
@@ -96,21 +96,15 @@ NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
     "response_format": NotImplementedParam(
         '{"type": "text"} or null', _is({"type": "text"})
     ),
-    "presence_penalty": NotImplementedParam("0 or null", _number(0)),
-    "frequency_penalty": NotImplementedParam("0 or null", _number(0)),
-    "logit_bias": NotImplementedParam("an empty object or null", _is({})),
     "echo": NotImplementedParam("false or null", _is(False)),
     "best_of": NotImplementedParam("null or the value of 'n'", _best_of),
     "suffix": NotImplementedParam('"" or null', _is("")),
     "modalities": NotImplementedParam('["text"] or null', _is(["text"])),
     "audio": _NULL,
     # vLLM
-    "repetition_penalty": NotImplementedParam("1 or null", _number(1)),
-    "min_p": NotImplementedParam("0 or null", _number(0)),
     "length_penalty": NotImplementedParam("1 or null", _number(1)),
     "use_beam_search": NotImplementedParam("false or null", _is(False)),
     "prompt_logprobs": _NULL,
-    "stop_token_ids": _EMPTY_LIST,
     "bad_words": _EMPTY_LIST,
     "allowed_token_ids": _NULL,
     "include_stop_str_in_output": NotImplementedParam("false or null", _is(False)),

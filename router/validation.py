@@ -21,6 +21,7 @@ from typing import Any
 
 from router.config import RouterConfig
 from router.errors import APIError, invalid
+from router.logit_controls import check_logit_controls, logit_control_params
 from router.prompts import PromptInput, check_num_choices, split_prompts
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from wire.limits import (
@@ -116,6 +117,7 @@ def check_common(
         )
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    check_logit_controls(req)
     return [s for s in stop if s]
 
 
@@ -261,6 +263,7 @@ def samplings(
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
         "skip_special_tokens": req.skip_special_tokens,
+        **logit_control_params(req, vocab_size),
     }
     out = []
     for i in range(req.n):

@@ -24,3 +24,5 @@ MAX_REPETITION_PENALTY = 2.0
 # OpenAI's range for each logit_bias value; a request biases at most MAX_LOGIT_BIAS_ENTRIES ids.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# A request's stop_token_ids, at most.
+MAX_STOP_TOKEN_IDS = 1024

@@ -152,9 +152,10 @@ NUMERIC_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "n", "m
                   "priority"]
 STRING_FIELDS = ["stop", "stop[]", "user", "model"]
 COMPLETION_FIELDS = [*NUMERIC_FIELDS, *STRING_FIELDS, "logprobs", "prompt", "prompt[]",
-                     "prompt[][]", "presence_penalty", "unknown_field"]
+                     "prompt[][]", "presence_penalty", "repetition_penalty", "min_p",
+                     "logit_bias", "stop_token_ids", "unknown_field"]
 CHAT_FIELDS = [*NUMERIC_FIELDS, *STRING_FIELDS, "max_completion_tokens", "logprobs",
-               "top_logprobs", "content"]
+               "top_logprobs", "content", "frequency_penalty", "logit_bias"]
 
 
 def hostile_body(chat: bool, stream: bool, hostile: dict) -> dict:

@@ -283,8 +283,8 @@ def test_batched_token_prompts_stream_every_index(client, model_name, default_mo
 def test_a_parameter_that_is_not_implemented_is_a_bad_request_naming_it(client, model_name):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
-                                  presence_penalty=0.5)
-    assert refused.value.param == "presence_penalty"
+                                  suffix=" the end")
+    assert refused.value.param == "suffix"
     assert "not supported" in refused.value.message
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
@@ -320,3 +320,40 @@ def test_tokenize_and_detokenize_round_trip_the_tokenizer(server, model_name, de
     assert back.json() == {"prompt": tokenizer.decode(data["tokens"])}
     bad = httpx.post(f"{server}/detokenize", json={"tokens": [-1]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_text(
+    client, model_name, default_model_dir
+):
+    tokenizer = load_tokenizer(default_model_dir)
+    (forced,) = tokenizer.encode(" Paris", add_special_tokens=False)
+    params = {"model": model_name, "prompt": "My favourite word is", "temperature": 0}
+    biased = client.completions.create(
+        **params, max_tokens=3, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True}
+    )
+    assert biased.choices[0].text == tokenizer.decode([forced] * 3)
+    free = client.completions.create(**params, max_tokens=6, extra_body={"ignore_eos": True})
+    free_ids = tokenizer.encode(free.choices[0].text, add_special_tokens=False)
+    stopped = client.completions.create(
+        **params, max_tokens=6, extra_body={"stop_token_ids": [free_ids[1]]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 2
+
+
+def test_penalties_change_greedy_text_and_repeat_less(client, model_name):
+    params = {
+        "model": model_name,
+        "prompt": "List the numbers: one, one, one, one, one,",
+        "temperature": 0,
+        "max_tokens": 24,
+        "extra_body": {"ignore_eos": True},
+    }
+    plain = client.completions.create(**params).choices[0].text
+    penalized = client.completions.create(
+        **params, frequency_penalty=2.0, presence_penalty=1.0
+    ).choices[0].text
+    repeated = client.completions.create(**{**params, "extra_body": {
+        "ignore_eos": True, "repetition_penalty": 1.3}}).choices[0].text
+    assert penalized != plain and repeated != plain
+    assert len(set(penalized.split())) >= len(set(plain.split()))

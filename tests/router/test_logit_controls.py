@@ -1,0 +1,107 @@
+"""Penalties, min_p, logit_bias and stop_token_ids: bounded where they enter (a 400 naming the
+field), passed to the node as SamplingParams arguments (logit_bias keys as canonical strings),
+and absent from what is sent when neutral."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from engine.sampling_params import SamplingParams
+from router.app import create_app
+from router.config import RouterConfig
+from router.logit_controls import check_logit_controls, logit_control_params
+from router.schemas import CompletionRequest
+from tests.router.test_validation import _stats, assert_error
+
+MODEL = "tiny"
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def live(tiny_llama_dir):
+    config = RouterConfig(
+        model_path=tiny_llama_dir,
+        served_model_name=MODEL,
+        node_addresses=["tcp://127.0.0.1:1"],
+        listen_address="tcp://127.0.0.1:2",
+    )
+    app = create_app(config)
+    app.state.router.client.record_stats(_stats(vocab_size=VOCAB))
+    return TestClient(app)
+
+
+def request(**fields) -> CompletionRequest:
+    return CompletionRequest(prompt="hi", **fields)
+
+
+BAD = [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"frequency_penalty": 1e300}, "frequency_penalty"),
+    ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1}, "repetition_penalty"),
+    ({"repetition_penalty": 12}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "high"}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"logit_bias": {"7": 1, "07": 2}}, "logit_bias"),
+    ({"logit_bias": {"9" * 400: 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids[0]"),
+]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize(("fields", "param"), BAD)
+def test_out_of_range_controls_are_400_naming_the_field(live, route, fields, param):
+    if route == "completions":
+        path, body = "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    else:
+        path = "/v1/chat/completions"
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_error(live.post(path, json={**body, **fields}), 400, param)
+
+
+def test_controls_become_sampling_params_the_engine_accepts():
+    req = request(
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        logit_bias={"07": -100, "300": 2.5},
+        stop_token_ids=[2, 9],
+    )
+    check_logit_controls(req)
+    params = logit_control_params(req, VOCAB)
+    assert params == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1.0,
+        "repetition_penalty": 1.2,
+        "min_p": 0.05,
+        "logit_bias": {"7": -100.0, "300": 2.5},
+        "stop_token_ids": [2, 9],
+    }
+    sampling = SamplingParams(**params)  # what the node builds from the wire
+    assert sampling.logit_bias == {7: -100.0, 300: 2.5}
+
+
+def test_neutral_controls_send_nothing():
+    req = request(
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        repetition_penalty=1,
+        min_p=0,
+        logit_bias={},
+        stop_token_ids=[],
+    )
+    check_logit_controls(req)
+    assert logit_control_params(req, VOCAB) == {}
