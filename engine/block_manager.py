@@ -63,11 +63,16 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """For a sequence holding no blocks: takes the cached blocks of its longest cached
         prefix (at least one token is left to compute, so a token can be sampled) and marks
-        their tokens computed. Returns the number of tokens reused."""
+        their tokens computed. Returns the number of tokens reused. A sequence that asks for
+        prompt logprobs takes cached blocks only over the positions it has scored already:
+        cached positions have no logits (engine/prompt_logprobs.py)."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.request_id} already holds blocks")
         blocks = self.prefix_cache.match(seq.token_ids)
-        del blocks[(seq.num_tokens - 1) // self.block_size :]
+        reusable = seq.num_tokens - 1
+        if seq.prompt_logprobs is not None:
+            reusable = min(reusable, seq.prompt_logprobs.num_scored)
+        del blocks[reusable // self.block_size :]
         for block_id in blocks:
             self.pool.incref(block_id)
         seq.block_table = blocks

@@ -1,4 +1,6 @@
-"""The engine core: requests in, token steps out. No text, no I/O, no threads.
+"""The engine core: requests in, token steps out. No text, no I/O, no threads but the grammar
+compiler's (engine/structured_output.py, which holds a request out of the scheduler while its
+grammar compiles).
 
 `add_request` validates and queues; each `step()` schedules one iteration, runs it, appends the
 sampled tokens, finishes what ended (freeing blocks in the same step) and returns an
@@ -50,9 +52,11 @@ from engine.sampler import skip_sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured_output import StructuredOutput
 from engine.swap_space import SwapSpace
 from engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
 from text.tokenizer import load_tokenizer
+from wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -137,6 +141,9 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.held_blocks: Counter[int] = Counter()
         self.num_exported_blocks: dict[str, int] = {}  # request id -> prompt blocks exported
+        self.structured_output = StructuredOutput(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
 
     def add_request(
         self,
@@ -154,10 +161,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
         seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        held = not self.structured_output.admit(seq)  # its grammar compiles: scheduled later
         self.sequences[request_id] = seq
         if export_prompt_blocks:
             self.num_exported_blocks[request_id] = 0
-        self.scheduler.add(seq)
+        if not held:
+            self.scheduler.add(seq)
 
     def new_sequence(
         self,
@@ -193,6 +202,14 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        if (
+            params.prompt_logprobs is not None
+            and len(prompt_token_ids) > MAX_PROMPT_LOGPROBS_TOKENS
+        ):
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids):,} tokens; prompt logprobs are computed "
+                f"for prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS:,} tokens"
+            )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -216,15 +233,18 @@ class LLMEngine:
         seq = self.sequences.pop(request_id, None)
         self.num_exported_blocks.pop(request_id, None)
         if seq is not None:
+            if self.structured_output.discard(request_id) is not None:
+                self._schedule(seq)  # held while its grammar compiled: the scheduler ends it
             self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.structured_output.num_held > 0
 
     def step(self) -> EngineStep:
+        ended = self._schedule_compiled() if self.structured_output.num_held else []
         schedule = self.scheduler.schedule()
         self._swap(schedule)
-        result = EngineStep()
+        result = EngineStep(outputs=ended)
         if schedule.is_empty:
             return result
         for scheduled in schedule.scheduled:
@@ -261,9 +281,51 @@ class LLMEngine:
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens or 0,
                     offset=seq.num_output_tokens - 1,
+                    prompt_logprobs=(
+                        seq.prompt_logprobs.take(seq.prompt_token_ids)
+                        if seq.prompt_logprobs is not None
+                        else None
+                    ),
                 )
             )
         return result
+
+    def _schedule(self, seq: Sequence) -> None:
+        """Hands a sequence that was held while its grammar compiled to the scheduler."""
+        if seq.num_computed_tokens:  # its prompt was computed elsewhere (add_prefilled_request)
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def _schedule_compiled(self) -> list[StepOutput]:
+        """Schedules the held sequences whose grammar compiled; ends ("stop") those whose output
+        already completes it (a first token sampled elsewhere), returning their outputs; ends
+        ("error") those whose grammar failed and raises StepFailure naming them."""
+        if not self.scheduler.num_unfinished:
+            self.structured_output.wait()  # nothing else to run: no spinning
+        ready, failed = self.structured_output.poll()
+        for request_id in failed:
+            logger.info("request %s: %s", request_id, failed[request_id])
+            self.finish_request(request_id, "error")
+        if failed:
+            raise StepFailure(failed)
+        ended = []
+        for seq in ready:
+            self._schedule(seq)
+            if seq.num_output_tokens and seq.grammar.complete:
+                self.finish_request(seq.request_id, "stop")
+                ended.append(
+                    StepOutput(
+                        request_id=seq.request_id,
+                        new_token_ids=[],
+                        new_logprobs=[],
+                        finish_reason="stop",
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        num_cached_tokens=seq.num_cached_tokens or 0,
+                        offset=seq.num_output_tokens,
+                    )
+                )
+        return ended
 
     def _export_filled_blocks(self, seq: Sequence, exported: dict[str, list[int]]) -> None:
         """Holds the prompt blocks `seq` filled since its last export and lists them."""
@@ -370,22 +432,31 @@ class LLMEngine:
         """Decode side: joins the running batch with the prompt's KV already in `block_ids`
         (reserved here, filled by a transfer) and its first token sampled elsewhere. Returns
         the finish reason if that token already ends the request (its blocks are then freed).
-        `arrival_time` is when the request reached this node (its rank in the batch's order)."""
+        `arrival_time` is when the request reached this node (its rank in the batch's order).
+        With `structured_output`, the grammar follows the first token too: a request whose
+        grammar still compiles is held (not scheduled) until it has, and one whose first token
+        completes its grammar ends ("stop")."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         skip_sample(seq, self.model_config.vocab_size)
+        seq.prompt_logprobs = None  # the node that ran the prompt scored it
+        reason = seq.append_token(first_token_id)
+        # Before any block changes hands: admit raises ValueError if it cannot constrain seq.
+        held = reason is None and not self.structured_output.admit(seq)
+        if reason is None and seq.grammar is not None and seq.grammar.complete:
+            reason = "stop"
         self._unhold(block_ids)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens
         seq.first_scheduled_time = seq.arrival_time
-        reason = seq.append_token(first_token_id)
         if reason is not None:
             self.block_manager.free(seq)
             return reason
         self.sequences[request_id] = seq
-        self.scheduler.add_running(seq)
+        if not held:
+            self.scheduler.add_running(seq)
         return None
 
     def scheduling_stats(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from engine.memory_profile import (
     profile_device_memory,
 )
 from engine.model_config import ModelConfig
+from engine.prompt_logprobs import ScoringPlan
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -211,13 +212,25 @@ class ModelRunner:
             block_size=self.config.block_size,
             device=self.device,
         )
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        scoring = ScoringPlan.for_step(ordered, batch.query_start, self.device)
+        logits_indices = batch.logits_indices
+        if scoring is not None:  # prompt logprobs: their rows after the sampled ones
+            logits_indices = torch.cat((logits_indices, scoring.rows))
+        if (
+            scoring is None
+            and self.decode_graphs is not None
+            and self.decode_graphs.can_run(batch)
+        ):
             logits = self.decode_graphs.run(batch)
         else:
             metadata = self.attention.prepare(batch)
             logits = self.model(
-                batch.input_ids, batch.positions, batch.logits_indices, self.attention, metadata
+                batch.input_ids, batch.positions, logits_indices, self.attention, metadata
             )
+        if scoring is not None:
+            num_sampled = batch.logits_indices.numel()
+            scoring.record(logits[num_sampled:])
+            logits = logits[:num_sampled]
         sampled = [s for s in ordered if s.completes_prompt]
         if not sampled:
             return []

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.sampler import TokenLogprobs
 
 
@@ -16,6 +17,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     offset: int = 0  # index of the first new token among the request's output tokens
+    # with the first token of a request that asked: one per prompt token after the first
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 @dataclass

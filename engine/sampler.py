@@ -1,7 +1,9 @@
 """Turns the logits of the sampled positions into next tokens, one row per sequence.
 
-In order, as in vLLM: the stop tokens of rows short of `min_tokens` are masked, then the logit
-biases and penalties apply (engine/logits_processors.py), to every row. Greedy rows then take
+In order, as in vLLM: the stop tokens of rows short of `min_tokens` are masked (except in rows
+with a grammar, which decides where they end), then the logit biases and penalties apply
+(engine/logits_processors.py), to every row, then each constrained row's grammar mask
+(engine/structured_output.py: -inf for every token its grammar refuses). Greedy rows then take
 the argmax. Random rows apply temperature, min-p, top-k and top-p, then sample with
 exponential races (argmax of p / Exp(1) noise), drawing the noise from the sequence's own
 generator when it has a seed, so its tokens do not depend on what else is in the batch.
@@ -24,6 +26,7 @@ import torch
 
 from engine.logits_processors import apply_logit_bias, apply_penalties
 from engine.sequence import Sequence
+from engine.structured_output import apply_grammar_masks
 from wire.limits import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
 
 
@@ -57,6 +60,7 @@ class Sampler:
         self._suppress_early_stops(logits, seqs)
         apply_logit_bias(logits, seqs)
         apply_penalties(logits, seqs)
+        apply_grammar_masks(logits, seqs)
 
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -78,7 +82,8 @@ class Sampler:
     def _suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         vocab = logits.shape[-1]
         for i, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens and seq.stop_token_ids:
+            early = seq.num_output_tokens < seq.params.min_tokens and seq.grammar is None
+            if early and seq.stop_token_ids:
                 stop_ids = [t for t in seq.stop_token_ids if 0 <= t < vocab]
                 logits[i, stop_ids] = float("-inf")
 

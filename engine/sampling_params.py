@@ -22,6 +22,7 @@ from wire.limits import (
     SEED_MAX,
     SEED_MIN,
 )
+from wire.structured_output import check_structured_output
 
 
 def _integer(name: str, value: Any, low: int, high: int) -> int:
@@ -103,9 +104,10 @@ class SamplingParams:
     100. top_k -1 (or 0) and top_p 1 disable those filters; a top_k beyond the vocabulary keeps
     the whole vocabulary. `seed` (signed 64-bit) makes a request's samples reproducible
     whatever else shares its batches. `logprobs` N returns the sampled token's log-probability
-    and the N most likely alternatives (0 <= N <= 20). `stop` strings end the text before the
-    match; `stop_token_ids` add to the model's own end-of-sequence ids, which `ignore_eos`
-    disables; neither can stop before `min_tokens`. Every count is at most 2**31 - 1, so it
+    and the N most likely alternatives (0 <= N <= 20); `prompt_logprobs` N the same for every
+    prompt token after the first, given the tokens before it (engine/prompt_logprobs.py).
+    `stop` strings end the text before the match; `stop_token_ids` add to the model's own
+    end-of-sequence ids, which `ignore_eos` disables; neither can stop before `min_tokens`. Every count is at most 2**31 - 1, so it
     fits any integer tensor; the engine checks token ids against the vocabulary.
 
     Penalties and biases (vLLM's semantics; engine/logits_processors.py applies them, to greedy
@@ -117,6 +119,13 @@ class SamplingParams:
     [-100, 100] added to the logit, at most 1,024 of them, and is always a dict[int, float]
     after construction. `min_p` (in [0, 1], 0 is off) drops, in random rows, the tokens whose
     probability after temperature is below min_p times the most likely one's.
+
+    `structured_output` constrains the output to a JSON schema, any JSON object, a regex, one
+    of a list of strings or a Lark grammar: a map with exactly one of the keys json_schema,
+    json_object, regex, choice, grammar (wire/structured_output.py lists the forms and
+    bounds). The grammar decides where such an output ends: it ends ("stop") as soon as the
+    grammar is complete, even with `ignore_eos`, and `min_tokens` does not hold back the stop
+    tokens the grammar allows.
     """
 
     temperature: float = 1.0
@@ -129,12 +138,14 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_p: float = 0.0
+    structured_output: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = _integer("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -160,6 +171,10 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed, SEED_MIN, SEED_MAX)
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer(
+                "prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS
+            )
         for flag in ("ignore_eos", "skip_special_tokens"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
@@ -188,6 +203,7 @@ class SamplingParams:
             )
         self.logit_bias = _logit_bias(self.logit_bias)
         self.min_p = _in_range("min_p", self.min_p, 0.0, 1.0)
+        self.structured_output = check_structured_output(self.structured_output)
 
     @property
     def greedy(self) -> bool:

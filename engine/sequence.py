@@ -9,17 +9,24 @@ waiting in the same queue, and copied back in when admitted again).
 
 `priority`: lower is more important (as in vLLM's API); `arrival_time` orders equals.
 `token_ids` only grows (prompt, then each appended output token), whatever the state.
+`grammar` (a request with `structured_output`, once its grammar compiled) follows the output
+tokens: `append_token` advances it, so it survives preemption as the tokens do.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -58,6 +65,12 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self.prompt_logprobs = (
+            PromptLogprobs(params.prompt_logprobs, len(prompt_token_ids))
+            if params.prompt_logprobs is not None
+            else None
+        )
+        self.grammar: SequenceGrammar | None = None
         self._token_id_buffer = np.empty(0, dtype=np.int64)
         self._num_buffered_token_ids = 0
         if params.seed is not None:
@@ -106,6 +119,10 @@ class Sequence:
         """Adds a sampled token; returns the finish reason if it ends the sequence."""
         self.token_ids.append(token_id)
         params = self.params
+        if self.grammar is not None:
+            reason = self.grammar.advance(token_id)
+            if reason is not None:
+                return reason
         if self.num_output_tokens >= params.min_tokens and token_id in self.stop_token_ids:
             return "stop"
         if self.num_output_tokens >= params.max_tokens:

@@ -7,11 +7,13 @@ Lifecycle of a request here:
   joined     a prompt a prefill node computed, whose KV already sits in `block_ids` (`join`,
              decode nodes): it starts decoding after its first token, so its tokens stream
              from offset 1;
-  active     every engine step's outputs become ONE TokenBatch (a TokenUpdate per request);
+  active     every engine step's outputs become ONE TokenBatch (a TokenUpdate per request;
+             one carrying a prompt's logprobs goes in a TokenBatch of its own);
   ended      by its finish reason, by `abort` (the router's Abort), or by a failed step: a
              request that fails the step on its own (engine.llm_engine.StepFailure names it;
-             the engine already ended it) gets RequestFailed 500 and the others run again on
-             the next step; any other exception fails every active request (500) and aborts
+             the engine already ended it) gets RequestFailed 500, or 400 if its structured
+             output spec did not compile (GrammarError), and the others run again on the
+             next step; any other exception fails every active request (500) and aborts
              it, and the node goes on.
 `step()` and the others return the messages for the router; the node sends them.
 """
@@ -25,6 +27,7 @@ from engine.llm_engine import LLMEngine, StepFailure
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
 from wire.messages import Generate, PrefillDone, RequestFailed, TokenBatch, TokenUpdate
+from wire.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,16 @@ def request_params(request_id: str, sampling: dict[str, Any], in_use: bool) -> S
     if in_use:
         raise ValueError(f"request id {request_id!r} is already in use")
     return SamplingParams(**sampling)
+
+
+def step_failure(request_id: str, error: Exception, doing: str) -> RequestFailed:
+    """The router's message for a request that failed an engine step alone: 400 with the
+    compiler's message when its structured output spec did not compile, else 500."""
+    if isinstance(error, GrammarError):
+        return RequestFailed(request_id, str(error), 400)
+    return RequestFailed(
+        request_id, f"internal error while {doing} ({type(error).__name__})", 500
+    )
 
 
 class Generation:
@@ -126,17 +139,22 @@ class Generation:
         except StepFailure as failure:
             failed = []
             for request_id, error in failure.errors.items():
-                if request_id in self.active:
-                    self.active.discard(request_id)
-                    message = f"internal error while generating ({type(error).__name__})"
-                    failed.append(RequestFailed(request_id, message, 500))
+                if request_id not in self.active:
+                    continue
+                self.active.discard(request_id)
+                failed.append(step_failure(request_id, error, "generating"))
             return failed
         except Exception:  # fail the requests, keep the node
             logger.exception("engine step failed; failing %d in-flight requests", len(self.active))
             return self._fail_all("engine error while generating")
         if not outputs:
             return []
-        return [TokenBatch(self.node_id, [self._update(output) for output in outputs])]
+        updates = [self._update(output) for output in outputs]
+        plain = [u for u in updates if u.prompt_logprobs is None]
+        batches = [TokenBatch(self.node_id, plain)] if plain else []
+        # a prompt's scores travel alone: one prompt bounds a message (wire/messages.py)
+        batches += [TokenBatch(self.node_id, [u]) for u in updates if u.prompt_logprobs is not None]
+        return batches
 
     def _update(self, output: StepOutput) -> TokenUpdate:
         self.generation_tokens_total += len(output.new_token_ids)
@@ -151,6 +169,11 @@ class Generation:
             logprobs=[lp.to_wire() for lp in output.new_logprobs] or None,
             num_cached_tokens=output.num_cached_tokens,
             offset=output.offset,
+            prompt_logprobs=(
+                [entry.to_wire() for entry in output.prompt_logprobs]
+                if output.prompt_logprobs is not None
+                else None
+            ),
         )
 
     def _fail_all(self, message: str) -> list[RequestFailed]:

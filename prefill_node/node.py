@@ -35,7 +35,7 @@ from engine.llm_engine import LLMEngine, StepFailure
 from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
 from kvtransfer.fingerprint import model_fingerprint
 from node.config import NodeConfig
-from node.generation import request_params
+from node.generation import request_params, step_failure
 from node.runtime import NodeRuntime
 from prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
 from wire.messages import (
@@ -228,8 +228,8 @@ class PrefillNode(NodeRuntime):
             step = self.prefill.step()
         except StepFailure as failure:  # these alone; the rest of the step runs again
             for request_id, error in failure.errors.items():
-                message = f"internal error while prefilling ({type(error).__name__})"
-                self._fail(request_id, message, 500)
+                refusal = step_failure(request_id, error, "prefilling")
+                self._fail(request_id, refusal.message, refusal.status)
             return
         except Exception:  # fail the requests, keep the node
             logger.exception("prefill step failed")
@@ -253,6 +253,11 @@ class PrefillNode(NodeRuntime):
             logprobs=logprobs,
             num_cached_tokens=first.num_cached_tokens,
             offset=0,
+            prompt_logprobs=(
+                [entry.to_wire() for entry in first.prompt_logprobs]
+                if first.prompt_logprobs is not None
+                else None
+            ),
         )
         self.send(TokenBatch(self.node_id, [update]))
         self._enter(request, Stage.TOKEN_SENT)

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class FirstToken:
     token_id: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 @dataclass
@@ -103,6 +105,7 @@ class PrefillEngine:
                     output.new_token_ids[0],
                     logprobs,
                     output.num_cached_tokens,
+                    output.prompt_logprobs,
                 )
             )
         return result

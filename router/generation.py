@@ -33,6 +33,7 @@ from typing import Any
 
 from router.admission import AdmissionQueue
 from router.errors import APIError, ClientDisconnected, invalid
+from router.logprobs import check_prompt_entries
 from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.validation import Plan
@@ -82,10 +83,14 @@ class UpdateQueue(asyncio.Queue):
 
 @dataclass
 class ChoiceEvent:
+    """New output of one choice; `prompt_logprobs` (with its first token) are the node's
+    scores of the choice's prompt, checked against it (router/logprobs.py)."""
+
     index: int
     text: str
     logprobs: list[list[Any]] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @dataclass
@@ -273,6 +278,13 @@ class Generation:
         return self._handle_update(choice, message)
 
     def _handle_update(self, choice: _Choice, update: TokenUpdate) -> ChoiceEvent | None:
+        if update.prompt_logprobs is not None:
+            prompt = self.plan.prompt_of(choice.index)
+            if not check_prompt_entries(update.prompt_logprobs, prompt):
+                choice.finish_reason = "error"
+                raise APIError(500, "A node sent prompt logprobs that do not fit the prompt.")
+        if self.plan.scoring.prompt_only:
+            return self._prompt_only(choice, update)
         now = time.monotonic()
         if update.token_ids:
             if choice.first_token_at is None:
@@ -296,9 +308,19 @@ class Generation:
         if finish is not None:
             self._finish(choice, finish, now)
         choice.text_parts.append(out)
-        if not out and finish is None and not update.logprobs:
+        if not out and finish is None and not update.logprobs and update.prompt_logprobs is None:
             return None
-        return ChoiceEvent(choice.index, out, update.logprobs, finish)
+        return ChoiceEvent(choice.index, out, update.logprobs, finish, update.prompt_logprobs)
+
+    def _prompt_only(self, choice: _Choice, update: TokenUpdate) -> ChoiceEvent:
+        """`echo` with `max_tokens: 0` (router/echo.py): the choice ends at its first update;
+        the token the node was asked for is dropped, and the node stops if it has not."""
+        now = time.monotonic()
+        self.metrics.time_to_first_token.observe(now - choice.submitted_at)
+        if update.finish_reason is None:
+            self.client.abort(choice.request_id)
+        self._finish(choice, "length", now)
+        return ChoiceEvent(choice.index, "", None, "length", update.prompt_logprobs)
 
     def _finish(self, choice: _Choice, reason: str, now: float) -> None:
         choice.finish_reason = reason

@@ -1,5 +1,7 @@
 """Builds the HTTP answer of a running `Generation`: one JSON body, or an SSE stream of
-chunks ending in `data: [DONE]`, for the completions and the chat completions API."""
+chunks ending in `data: [DONE]`, for the completions and the chat completions API. With `echo`
+a choice's first event (its first chunk, when streaming) carries its prompt's text and, with
+`logprobs`, the prompt's logprobs before the output's (router/echo.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class Responder:
         self._text = [""] * n
         self._logprobs: list[Any] = [None] * n
         self._finish: list[str | None] = [None] * n
+        self._echoed = [False] * n
+        self._prompt_logprobs: list[Any] = [None] * n  # vLLM's shape, when asked
 
     def _usage(self) -> schemas.Usage:
         generation = self.generation
@@ -57,8 +61,31 @@ class Responder:
             return self.formatter.chat(event.logprobs)
         return self.formatter.completion(event.logprobs, len(self._text[event.index]))
 
-    def _absorb(self, event: ChoiceEvent) -> dict[str, Any] | None:
-        """Records the event; returns its formatted logprobs."""
+    def _echo(self, event: ChoiceEvent) -> tuple[str, dict[str, Any] | None]:
+        """The prompt text and logprobs a choice's first event starts with (with `echo`),
+        recorded; the prompt's scores in vLLM's shape too, when asked."""
+        i = event.index
+        plan = self.generation.plan
+        prompt = plan.prompt_of(i)
+        if event.prompt_logprobs is not None and plan.prompt_logprobs is not None:
+            self._prompt_logprobs[i] = self.formatter.prompt_logprobs(
+                prompt, event.prompt_logprobs
+            )
+        if plan.echo_prompts is None or self._echoed[i]:
+            return "", None
+        self._echoed[i] = True
+        text = plan.echo_prompts[i // plan.choices_per_prompt]
+        self._text[i] += text
+        logprobs = None
+        if plan.logprobs is not None:
+            logprobs = self.formatter.echoed_prompt(prompt, event.prompt_logprobs, plan.logprobs)
+            self._logprobs[i] = merge_completion(self._logprobs[i], logprobs)
+        return text, logprobs
+
+    def _absorb(self, event: ChoiceEvent) -> tuple[str, dict[str, Any] | None]:
+        """Records the event; returns its text and formatted logprobs, each with the echoed
+        prompt before them on a choice's first event."""
+        echoed_text, echoed_logprobs = self._echo(event)
         logprobs = self._format_logprobs(event)
         i = event.index
         if logprobs is not None:
@@ -70,7 +97,9 @@ class Responder:
         self._text[i] += event.text
         if event.finish_reason is not None:
             self._finish[i] = event.finish_reason
-        return logprobs
+        if echoed_logprobs is not None:
+            logprobs = merge_completion(echoed_logprobs, logprobs) if logprobs else echoed_logprobs
+        return echoed_text + event.text, logprobs
 
     # -- one JSON body -----------------------------------------------------------------------
 
@@ -85,9 +114,16 @@ class Responder:
             for i in range(self.generation.plan.n)
         ]
         object_name = "chat.completion" if self.chat else "text_completion"
-        return schemas.response_body(
+        body = schemas.response_body(
             object_name, self.id, self.created, self.model, choices, self._usage()
         )
+        if self.generation.plan.prompt_logprobs is not None:  # where vLLM puts them
+            if self.chat:
+                body["prompt_logprobs"] = self._prompt_logprobs[0]
+            else:
+                for choice, prompt_logprobs in zip(choices, self._prompt_logprobs):
+                    choice["prompt_logprobs"] = prompt_logprobs
+        return body
 
     # -- SSE ---------------------------------------------------------------------------------
 
@@ -106,9 +142,9 @@ class Responder:
         )
 
     def _event_chunk(self, event: ChoiceEvent) -> dict[str, Any]:
-        logprobs = self._absorb(event)
+        text, logprobs = self._absorb(event)
         if not self.chat:
-            return schemas.completion_choice(event.index, event.text, event.finish_reason, logprobs)
+            return schemas.completion_choice(event.index, text, event.finish_reason, logprobs)
         delta = {"content": event.text} if event.text or event.finish_reason is None else {}
         return schemas.chat_chunk_choice(event.index, delta, event.finish_reason, logprobs)
 

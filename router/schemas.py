@@ -54,6 +54,9 @@ class _CommonParams(_Request):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = None
+    # the prompt's scores (router/echo.py); `echo` is refused on chat
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_CommonParams):

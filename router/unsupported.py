@@ -96,7 +96,6 @@ NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
     "response_format": NotImplementedParam(
         '{"type": "text"} or null', _is({"type": "text"})
     ),
-    "echo": NotImplementedParam("false or null", _is(False)),
     "best_of": NotImplementedParam("null or the value of 'n'", _best_of),
     "suffix": NotImplementedParam('"" or null', _is("")),
     "modalities": NotImplementedParam('["text"] or null', _is(["text"])),
@@ -104,7 +103,6 @@ NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
     # vLLM
     "length_penalty": NotImplementedParam("1 or null", _number(1)),
     "use_beam_search": NotImplementedParam("false or null", _is(False)),
-    "prompt_logprobs": _NULL,
     "bad_words": _EMPTY_LIST,
     "allowed_token_ids": _NULL,
     "include_stop_str_in_output": NotImplementedParam("false or null", _is(False)),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import RouterConfig
+from router.echo import PromptScoring, check_prompt_scoring, check_scored_prompt, echo_text
 from router.errors import APIError, invalid
 from router.logit_controls import check_logit_controls, logit_control_params
 from router.prompts import PromptInput, check_num_choices, split_prompts
@@ -43,7 +44,10 @@ CheckChars = Callable[[int, Limits, str], None]  # (characters, limits, param): 
 @dataclass
 class Plan:
     """A validated request, ready to submit as `n` sub-requests (choices): `choices_per_prompt`
-    for each prompt, in order, so choice `i` answers prompt `i // choices_per_prompt`."""
+    for each prompt, in order, so choice `i` answers prompt `i // choices_per_prompt`.
+    `scoring` says what it asks about its prompts (router/echo.py): `echo_prompts` are the
+    texts echoed, one per prompt, and `prompt_logprobs` the alternatives the client asked for
+    in its `prompt_logprobs` field."""
 
     prompts: list[list[int]]
     samplings: list[dict[str, Any]]
@@ -52,6 +56,9 @@ class Plan:
     logprobs: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
+    scoring: PromptScoring = field(default_factory=PromptScoring)
+    echo_prompts: list[str] | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def n(self) -> int:
@@ -248,10 +255,11 @@ def samplings(
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
+    prompt_logprobs: int | None = None,
 ) -> list[dict[str, Any]]:
     """One SamplingParams kwargs dict per choice (seed + i when a seed is given). As in vLLM,
     a temperature below 1e-5 is greedy (0) and a top_k that keeps the whole vocabulary is
-    disabled (-1)."""
+    disabled (-1). `prompt_logprobs` is sent only when set."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     top_k = req.top_k
     base: dict[str, Any] = {
@@ -265,6 +273,8 @@ def samplings(
         "skip_special_tokens": req.skip_special_tokens,
         **logit_control_params(req, vocab_size),
     }
+    if prompt_logprobs is not None:
+        base["prompt_logprobs"] = prompt_logprobs
     out = []
     for i in range(req.n):
         params = dict(base)
@@ -284,7 +294,9 @@ def plan_completion(
     `limits()` for the node's context length and vocabulary size (it raises the 503 when no
     node is alive) and checks each prompt: its characters (`check_chars`, before tokenizing),
     its token ids and its length with the completion's."""
-    stop = check_common(req, req.max_tokens, config)
+    scoring = check_prompt_scoring(req, req.logprobs)
+    requested = 1 if scoring.prompt_only else req.max_tokens  # max_tokens 0: one, dropped
+    stop = check_common(req, requested, config)
     check_logprobs(req.logprobs, "logprobs")
     prompts = split_prompts(req.prompt)
     check_num_choices(len(prompts), req.n, config.max_choices)
@@ -294,14 +306,17 @@ def plan_completion(
                 raise invalid(f"'{prompt.param}' must not be empty.", prompt.param)
             check_unicode(prompt.text, prompt.param)
     max_model_len, vocab_size = limits()
-    all_ids, all_samplings = [], []
+    all_ids, all_samplings, echo_prompts = [], [], []
     for prompt in prompts:
         if prompt.text is not None and check_chars is not None:
             check_chars(len(prompt.text), limits, prompt.param)
         ids = prompt_ids(prompt, tokenizer)
         check_prompt_ids(ids, vocab_size, prompt.param)
+        check_scored_prompt(ids, scoring, prompt.param)
+        if scoring.echo:
+            echo_prompts.append(echo_text(prompt, ids, tokenizer))
         max_tokens = resolve_max_tokens(
-            req.max_tokens,
+            requested,
             DEFAULT_COMPLETION_MAX_TOKENS,
             len(ids),
             max_model_len,
@@ -309,7 +324,7 @@ def plan_completion(
         )
         check_min_tokens(req.min_tokens, max_tokens)
         all_ids.append(ids)
-        all_samplings += samplings(req, max_tokens, req.logprobs, vocab_size)
+        all_samplings += samplings(req, max_tokens, req.logprobs, vocab_size, scoring.num_top)
     return Plan(
         all_ids,
         all_samplings,
@@ -317,6 +332,9 @@ def plan_completion(
         req.skip_special_tokens,
         req.logprobs,
         priority=req.priority,
+        scoring=scoring,
+        echo_prompts=echo_prompts if scoring.echo else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -328,6 +346,9 @@ def plan_chat(
     stop = check_common(req, requested, config)
     if req.max_tokens is not None and not 1 <= req.max_tokens <= INT32_MAX:  # superseded
         raise invalid(f"'max_tokens' must be between 1 and {INT32_MAX:,}.", "max_tokens")
+    if req.echo:
+        raise invalid("'echo' is available on /v1/completions only.", "echo")
+    scoring = check_prompt_scoring(req, None)
     check_logprobs(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
@@ -337,15 +358,18 @@ def plan_chat(
     max_model_len, vocab_size = limits()
     ids = chat_prompt(req, tokenizer)
     check_prompt_ids(ids, vocab_size, "messages")
+    check_scored_prompt(ids, scoring, "messages")
     max_tokens = resolve_max_tokens(
         requested, None, len(ids), max_model_len, (limit_param, "messages")
     )
     check_min_tokens(req.min_tokens, max_tokens)
     return Plan(
         [ids],
-        samplings(req, max_tokens, logprobs, vocab_size),
+        samplings(req, max_tokens, logprobs, vocab_size, scoring.num_top),
         stop,
         req.skip_special_tokens,
         logprobs,
         priority=req.priority,
+        scoring=scoring,
+        prompt_logprobs=req.prompt_logprobs,
     )

@@ -43,6 +43,7 @@ SLOW_MODULES = (
     "engine/test_preemption_modes.py",
     "engine/test_prefix_caching.py",
     "engine/test_sampling.py",
+    "engine/test_structured_output.py",
     "kernels/test_prefill_attention.py",
     "kernels/test_triton_parity.py",
     "nodes/test_disaggregated_nodes.py",

@@ -26,3 +26,16 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # A request's stop_token_ids, at most.
 MAX_STOP_TOKEN_IDS = 1024
+# structured_output (wire/structured_output.py): a json_schema (as compact JSON text) or a
+# grammar has at most MAX_GRAMMAR_CHARS characters, and so have a choice list's strings together;
+# a regex at most MAX_REGEX_CHARS; a choice list at most MAX_CHOICES strings. A schema nests at
+# most MAX_JSON_SCHEMA_DEPTH objects and arrays: SamplingParams travel as msgpack maps, whose
+# encoder recurses once per level (it fails past about 480), and realistic schemas nest about 20.
+MAX_GRAMMAR_CHARS = 128 * 1024
+MAX_REGEX_CHARS = 16 * 1024
+MAX_CHOICES = 1024
+MAX_JSON_SCHEMA_DEPTH = 64
+# prompt_logprobs (and echo with logprobs) score at most this many prompt tokens: a node sends a
+# prompt's scores in one TokenUpdate, at most 323 msgpack bytes per token with 20 alternatives,
+# so 131,072 tokens (42 MB) stay within wire/messages.py's 64 MiB message limit.
+MAX_PROMPT_LOGPROBS_TOKENS = 131_072

@@ -96,7 +96,11 @@ class TokenUpdate:
     """New tokens of one request. `logprobs` holds one [token_id, logprob, [[id, lp], ...]]
     entry per new token when the request asked for them; `finish_reason` ends the request;
     `num_cached_tokens` counts the prompt tokens served from the prefix cache; `offset` is the
-    index of this update's first token among the request's output tokens."""
+    index of this update's first token among the request's output tokens. `prompt_logprobs`,
+    with the first token (offset 0) of a request that asked, holds one
+    [token_id, logprob, rank, [[id, lp], ...]] entry per prompt token after the first; such an
+    update travels in a TokenBatch of its own, so one prompt's scores bound the message
+    (wire/limits.py: MAX_PROMPT_LOGPROBS_TOKENS)."""
 
     request_id: str
     token_ids: list[int]
@@ -105,6 +109,7 @@ class TokenUpdate:
     logprobs: list[list[Any]] | None = None
     num_cached_tokens: int = 0
     offset: int = 0
+    prompt_logprobs: list[list[Any]] | None = None
 
 
 @dataclass

@@ -357,3 +357,70 @@ def test_penalties_change_greedy_text_and_repeat_less(client, model_name):
         "ignore_eos": True, "repetition_penalty": 1.3}}).choices[0].text
     assert penalized != plain and repeated != plain
     assert len(set(penalized.split())) >= len(set(plain.split()))
+
+
+def _prompt_scores(client, model_name, prompt, **fields):
+    """`echo` with `logprobs` and `max_tokens: 0`, as lm-eval's loglikelihood requests."""
+    return client.completions.create(
+        model=model_name, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0,
+        **fields,
+    )
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_like_transformers(
+    client, model_name, default_model_dir
+):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = load_tokenizer(default_model_dir).encode(prompt)
+    first = _prompt_scores(client, model_name, prompt)
+    choice = first.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert first.usage.prompt_tokens == len(ids) and first.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and "".join(logprobs.tokens) == prompt
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    scores = logprobs.token_logprobs[1:]
+    assert all(s < 0 and s > -100 for s in scores)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    log_likelihood = expected.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+    assert abs(sum(scores) - log_likelihood) < 1e-2 * len(scores)
+    again = _prompt_scores(client, model_name, prompt)  # its blocks are in the prefix caches now
+    assert again.choices[0].logprobs.token_logprobs == pytest.approx(logprobs.token_logprobs)
+    stream = _prompt_scores(client, model_name, prompt, stream=True)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[0] is None
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_summed_continuation_logprobs_rank_the_right_answer_first(
+    client, model_name, default_model_dir
+):
+    context = "The capital of France is"
+    continuations = [" Paris", " banana"]
+    num_context = len(load_tokenizer(default_model_dir).encode(context))
+    batch = _prompt_scores(client, model_name, [context + c for c in continuations])
+    totals = [sum(c.logprobs.token_logprobs[num_context:]) for c in batch.choices]
+    assert [c.text for c in batch.choices] == [context + c for c in continuations]
+    assert totals[0] > totals[1], totals
+    greedy = [
+        c.logprobs.token_logprobs[num_context] == max(c.logprobs.top_logprobs[num_context].values())
+        for c in batch.choices
+    ]
+    assert greedy == [True, False]
+
+
+def test_prompt_logprobs_come_in_vllms_shape(client, model_name):
+    completion = client.completions.create(
+        model=model_name, prompt="Hello there", max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    shaped = completion.choices[0].model_extra["prompt_logprobs"]
+    assert shaped[0] is None and len(shaped) >= 2
+    for position in shaped[1:]:
+        assert 2 <= len(position) <= 3
+        assert {entry["rank"] for entry in position.values()} >= {1, 2}
+        assert all(entry["logprob"] <= 0 for entry in position.values())

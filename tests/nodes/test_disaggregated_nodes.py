@@ -143,3 +143,26 @@ def test_an_abort_ends_the_request_on_both_nodes(nodes):
         prefill.work()
     assert not prefill.requests and not decode.pending
     assert_all_blocks_free(decode, prefill)
+
+
+def test_prompt_logprobs_come_from_the_prefill_node_with_the_first_token(nodes, tiny_llama_dir):
+    decode, prefill = nodes
+    prompt = [(11 * j) % 400 + 3 for j in range(45)]  # two chunks of the prefill node's 32
+    sampling = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "prompt_logprobs": 2}
+    decode.handle(Generate("s0", prompt, sampling, prefill_address=PREFILL_ADDRESS))
+    to_router = run_until_idle(decode, prefill)
+    updates = [u for m in to_router if isinstance(m, TokenBatch) for u in m.updates]
+    scored = [u for u in updates if u.prompt_logprobs is not None]
+    assert len(scored) == 1 and scored[0].offset == 0  # the prefill node's, and only once
+    offline = LLM(str(tiny_llama_dir)).engine
+    offline.add_request("s0", prompt, SamplingParams(**sampling))
+    expected = None
+    while offline.has_unfinished_requests():
+        for output in offline.step().outputs:
+            expected = expected or output.prompt_logprobs
+    assert [entry[0] for entry in scored[0].prompt_logprobs] == prompt[1:]
+    for got, want in zip(scored[0].prompt_logprobs, expected):
+        assert got[2] == want.rank and [t for t, _ in got[3]] == [t for t, _ in want.top]
+        assert abs(got[1] - want.logprob) < 1e-4
+    assert len(tokens_by_request(to_router)["s0"]) == 4
+    assert_all_blocks_free(decode, prefill)

@@ -58,3 +58,21 @@ def test_pickle_payloads_are_not_messages():
 
     with pytest.raises(ProtocolError):
         decode(pickle.dumps(Abort("r1")))
+
+
+def test_the_longest_scored_prompt_with_twenty_alternatives_fits_one_message():
+    from wire.limits import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
+    from wire.messages import MAX_MESSAGE_BYTES, TokenBatch, TokenUpdate, decode, encode
+
+    worst = [150_000, -12.345678901234, 150_000, [[150_000, -0.123456789]] * MAX_LOGPROBS]
+
+    def message(num_positions: int) -> bytes:
+        update = TokenUpdate("r", [1], prompt_logprobs=[worst] * num_positions)
+        return encode(TokenBatch("n0", [update]))
+
+    per_position = len(message(1001)) - len(message(1000))
+    assert per_position <= 323  # as wire/limits.py states
+    header_growth = 4  # an array past 65,535 entries has a 5-byte header, not 3
+    longest = len(message(0)) + header_growth + per_position * (MAX_PROMPT_LOGPROBS_TOKENS - 1)
+    assert longest <= MAX_MESSAGE_BYTES
+    assert decode(message(3)).updates[0].prompt_logprobs[-1] == worst
