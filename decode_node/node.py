@@ -29,6 +29,11 @@ A dead prefill node is noticed by the router, which aborts (and may retry under 
 requests here: blocks never granted to it return at once, granted ones at RELEASED (its
 deadline + grace, as it can no longer abandon them). While idle (nothing pending) the node
 loop's leak check counts every block still in use as leaked.
+A Generate with `choices` (n > 1) goes through these stages once, under its prompt's id: the
+prompt's blocks are reserved once, transferred once, and every choice the prefill node sampled
+joins with them (engine/forks.py: one reference each, copy-on-write after). Until then an Abort
+naming one choice drops it alone (the last one aborts the request), and a failure is reported
+once per choice.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
 from kvtransfer.fingerprint import model_fingerprint
 from node.config import NodeConfig
-from node.generation import Generation, request_params
+from node.generation import Generation, choice_params, request_params
 from node.runtime import IDLE_POLL_MS, NodeRuntime
 from wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
 
@@ -73,6 +78,11 @@ class PendingPrefill:
     deadline: float | None = None  # of a stage the node itself times (None: the receiver's)
     block_ids: list[int] = field(default_factory=list)
     first: PrefillDone | None = None
+    choices: list[tuple[str, SamplingParams]] = field(default_factory=list)  # still wanted
+
+    def wire_ids(self) -> list[str]:
+        """The ids the router knows this request by: its choices', or its own."""
+        return [c for c, _ in self.choices] or [self.message.request_id]
 
 
 class DecodeNode(NodeRuntime):
@@ -95,6 +105,7 @@ class DecodeNode(NodeRuntime):
         self.transfer_timeout_s = config.transfer_timeout_s
         self.queue_timeout_s = config.queue_timeout_s
         self.pending: dict[str, PendingPrefill] = {}
+        self.prompt_of: dict[str, str] = {}  # a pending choice's id -> its request's
         self.waiting_for_blocks: list[tuple[tuple[float, ...], str]] = []  # sorted by rank
         self._arrival_numbers = itertools.count()
         self._next_deadline = float("inf")  # no stage deadline of `pending` is earlier
@@ -153,11 +164,11 @@ class DecodeNode(NodeRuntime):
                 continue
             if pending.stage is Stage.WAITING_FOR_BLOCKS:
                 self.waiting_for_blocks.remove((pending.rank, request_id))
-                del self.pending[request_id]
-                self._fail(request_id, f"no KV blocks free for request {request_id} in time")
+                self._forget(request_id)
+                self._fail(pending, f"no KV blocks free for request {request_id} in time")
             elif pending.stage is Stage.COMMITTED:
                 self._drop_committed(request_id)
-                self._fail(request_id, f"no first token for request {request_id} in time")
+                self._fail(pending, f"no first token for request {request_id} in time")
 
     # -- inbound ---------------------------------------------------------------------------
 
@@ -169,6 +180,8 @@ class DecodeNode(NodeRuntime):
             if pending is not None and pending.first is None:
                 pending.first = message
                 self._join_when_ready(message.request_id)
+        elif isinstance(message, Abort) and message.request_id in self.prompt_of:
+            self._abort_choice(message.request_id)
         elif isinstance(message, Abort) and message.request_id in self.pending:
             self._abort_pending(message.request_id)
         elif isinstance(message, Abort):
@@ -183,8 +196,10 @@ class DecodeNode(NodeRuntime):
     def _admit_disaggregated(self, message: Generate) -> None:
         request_id = message.request_id
         try:
-            in_use = request_id in self.pending or self.generation.in_use(request_id)
-            params = request_params(request_id, message.sampling, in_use)
+            params = request_params(request_id, message.sampling, self._in_use(request_id))
+            choices = choice_params(message, self._in_use)
+            for _, choice in choices:
+                self.engine.validate_prompt(message.prompt_token_ids, choice)
             self.engine.validate_prompt(message.prompt_token_ids, params)
         except (ValueError, TypeError, OverflowError) as error:
             logger.info("rejected request %s: %s", request_id, error)
@@ -193,16 +208,32 @@ class DecodeNode(NodeRuntime):
         now = time.monotonic()
         order = self.engine.scheduler.waiting.order
         rank = order.rank_of(message.priority, now, next(self._arrival_numbers))
-        pending = PendingPrefill(message, params, now, rank)
+        pending = PendingPrefill(message, params, now, rank, choices=choices)
         self.pending[request_id] = pending
+        self.prompt_of.update((c, request_id) for c, _ in choices)
         self._enter(request_id, pending, Stage.WAITING_FOR_BLOCKS, now)
         self.generation.prompt_tokens_total += len(message.prompt_token_ids)
+
+    def _in_use(self, request_id: str) -> bool:
+        return (
+            request_id in self.pending
+            or request_id in self.prompt_of
+            or self.generation.in_use(request_id)
+        )
+
+    def _abort_choice(self, choice_id: str) -> None:
+        """Drops one choice of a pending request; the last one aborts the request."""
+        request_id = self.prompt_of.pop(choice_id)
+        pending = self.pending[request_id]
+        pending.choices = [c for c in pending.choices if c[0] != choice_id]
+        if not pending.choices:
+            self._abort_pending(request_id)
 
     def _abort_pending(self, request_id: str) -> None:
         pending = self.pending[request_id]
         if pending.stage is Stage.WAITING_FOR_BLOCKS:
             self.waiting_for_blocks.remove((pending.rank, request_id))
-            del self.pending[request_id]
+            self._forget(request_id)
         elif pending.stage is Stage.COMMITTED:
             self._drop_committed(request_id)
         elif pending.stage is Stage.TRANSFERRING:
@@ -212,7 +243,7 @@ class DecodeNode(NodeRuntime):
 
     def _drop_committed(self, request_id: str) -> None:
         """A committed transfer has no writer left: its blocks can return at once."""
-        pending = self.pending.pop(request_id)
+        pending = self._forget(request_id)
         self.engine.release_blocks(pending.block_ids)
 
     # -- work --------------------------------------------------------------------------------
@@ -238,6 +269,7 @@ class DecodeNode(NodeRuntime):
                 return
             self.waiting_for_blocks.pop(0)
             pending.block_ids = block_ids
+            wanted = {c for c, _ in pending.choices}
             self._enter(request_id, pending, Stage.TRANSFERRING, now)
             self.send(
                 PrefillRequest(
@@ -249,6 +281,7 @@ class DecodeNode(NodeRuntime):
                     kv_descriptor=self.descriptor.encode(),
                     deadline_s=self.transfer_timeout_s,
                     priority=pending.message.priority,
+                    choices=[c for c in pending.message.choices if c.request_id in wanted],
                 ),
                 pending.message.prefill_address,
             )
@@ -268,30 +301,39 @@ class DecodeNode(NodeRuntime):
             if pending.stage is Stage.TRANSFERRING:
                 self._enter(request_id, pending, Stage.RELEASING, time.monotonic())
                 self.transfer_failures += 1
-                self._fail(request_id, event.error or "KV transfer failed")
+                self._fail(pending, event.error or "KV transfer failed")
         else:
-            del self.pending[request_id]
+            self._forget(request_id)
             self.engine.release_blocks(pending.block_ids)
 
     def _join_when_ready(self, request_id: str) -> None:
         pending = self.pending[request_id]
         if pending.stage is not Stage.COMMITTED or pending.first is None:
             return
-        del self.pending[request_id]
+        self._forget(request_id)
         try:
             batch = self.generation.join(
-                pending.message, pending.params, pending.block_ids, pending.first, pending.arrived
+                pending.message, pending.params, pending.block_ids, pending.first, pending.arrived,
+                pending.choices if pending.message.choices else None,
             )
         except ValueError as error:
             self.engine.release_blocks(pending.block_ids)
-            self._fail(request_id, f"cannot join the batch: {error}", 500)
+            self._fail(pending, f"cannot join the batch: {error}", 500)
             return
         if batch is not None:
             self.send(batch)
 
-    def _fail(self, request_id: str, message: str, status: int = 503) -> None:
-        logger.warning("request %s failed: %s", request_id, message)
-        self.send(RequestFailed(request_id, message, status))
+    def _fail(self, pending: PendingPrefill, message: str, status: int = 503) -> None:
+        logger.warning("request %s failed: %s", pending.message.request_id, message)
+        for wire_id in pending.wire_ids():
+            self.send(RequestFailed(wire_id, message, status))
+
+    def _forget(self, request_id: str) -> PendingPrefill:
+        """Takes a request out of `pending`, with its choices."""
+        pending = self.pending.pop(request_id)
+        for choice_id, _ in pending.choices:
+            self.prompt_of.pop(choice_id, None)
+        return pending
 
     def shutdown(self) -> None:
         self.receiver.close()

@@ -65,7 +65,10 @@ class AdmissionPolicy:
             output = params.max_tokens
         else:
             output = self.predictor.predict(params.max_tokens, params.ignore_eos)
-        return -(-(seq.num_prompt_tokens + output) // self.block_size)
+        blocks = -(-(seq.num_prompt_tokens + output) // self.block_size)
+        # n choices of one prompt share its full blocks; each holds the rest of its own
+        shared = seq.num_prompt_tokens // self.block_size
+        return blocks + (seq.num_seqs - 1) * (blocks - shared)
 
     def outstanding_blocks(self, running: Iterable[Sequence]) -> int:
         """Blocks the running sequences are still expected to take beyond those they hold."""

@@ -30,6 +30,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.num_copied_blocks = 0  # copy-on-write copies made, in all
         self.prefix_cache = make_prefix_cache(
             enable_prefix_caching, self.pool, block_size, prefix_cache_min_blocks
         )
@@ -137,7 +138,8 @@ class BlockManager:
         seq.num_blocks_offered = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Child shares all of parent's blocks (copy-on-write on the first divergent write)."""
+        """Child shares all of parent's blocks (copy-on-write on the first divergent write;
+        n choices of one prompt, engine/forks.py)."""
         if child.block_table:
             raise ValueError(f"fork target {child.request_id} already holds blocks")
         child.block_table = list(parent.block_table)
@@ -163,6 +165,7 @@ class BlockManager:
             self.pool.decref(src)
             seq.block_table[index] = dst
             copies.append((src, dst))
+        self.num_copied_blocks += len(copies)
         return copies
 
     def _ensure_free(self, count: int) -> bool:

@@ -10,22 +10,8 @@ once all its tokens are computed (the partial last one with the prompt's last ch
 for the caller before the step can end its request, so its KV stays until `release_blocks`. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
 live above it (`engine.output_processor`), which ends requests through `finish_request`.
 
-A request that breaks a batched step fails alone. Requests are validated before they are
-queued (SamplingParams, `validate_prompt`), so this is the last line. When running a step's
-batch (forward and sampling) raises, the engine runs each of that step's sequences alone:
-  - those that raise alone are ended (finish reason "error", blocks freed) and `step()` raises
-    `StepFailure` naming them, for the caller to fail just those;
-  - every other one is left as it was before the step (its slots allocated, nothing marked
-    computed, a seeded generator restored after its lone run) and the next `step()` runs it
-    again: rewriting the same KV into the same slots is harmless. Its tokens are the ones it
-    would have had (only a failure raised while sampling noise was being drawn could have
-    advanced a seeded generator);
-  - if none raises alone, the fault is the batch's or the device's, not a request's: the
-    original exception propagates and the caller fails every request it holds.
-A step of one sequence skips the lone runs: that sequence is the one that failed. A failure
-anywhere else in a step (scheduling, swapping, the bookkeeping after the batch ran) is not
-attributable and propagates as it is. The lone runs cost one forward per scheduled sequence,
-only on this rare path, and never loop: a failure of the re-run batch is judged afresh.
+A request that breaks a batched step fails alone (engine/step_failure.py). A request with n > 1
+choices computes its prompt once and forks into them (engine/forks.py).
 """
 
 from __future__ import annotations
@@ -41,17 +27,20 @@ import torch
 from engine.admission import AdmissionPolicy
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.forks import Forks, check_choices
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.model_runner import KVCacheFactory, ModelRunner
 from engine.models import model_class
 from engine.outputs import EngineStep, StepOutput
 from engine.preemption import PreemptionPolicy
+from engine.prompt_logprobs import PromptTokenLogprobs
 from engine.queue_wait import QueueWaitStats
-from engine.sampler import skip_sample
+from engine.sampler import SampleResult, skip_sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_failure import StepFailure, find_culprits
 from engine.structured_output import StructuredOutput
 from engine.swap_space import SwapSpace
 from engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
@@ -61,19 +50,6 @@ from wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 logger = logging.getLogger(__name__)
-
-
-class StepFailure(Exception):
-    """`step()` found the requests that make its batch raise on their own; they are ended in
-    the engine. `errors` maps each one's request id to what it raised. Every other request of
-    that step runs again on the next `step()`."""
-
-    def __init__(self, errors: dict[str, Exception]) -> None:
-        super().__init__(
-            f"{len(errors)} request(s) failed the engine step on their own: "
-            + "; ".join(f"{rid} ({type(error).__name__}: {error})" for rid, error in errors.items())
-        )
-        self.errors = errors
 
 
 def _resolve_model_path(model: str | None) -> Path:
@@ -138,6 +114,8 @@ class LLMEngine:
             priority_aging_s=config.priority_aging_s,
         )
         self.queue_wait = QueueWaitStats()
+        self.forks = Forks(self.block_manager, self.scheduler)
+        self.num_prompt_tokens_computed = 0
         self.sequences: dict[str, Sequence] = {}
         self.held_blocks: Counter[int] = Counter()
         self.num_exported_blocks: dict[str, int] = {}  # request id -> prompt blocks exported
@@ -153,14 +131,26 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         export_prompt_blocks: bool = False,
+        choices: list[tuple[str, SamplingParams]] | None = None,
     ) -> None:
         """Queues a request (lower `priority` is served first); raises ValueError if it is
         malformed or can never fit. With `export_prompt_blocks` its prompt blocks come out of
-        `step()` as they fill (module docstring)."""
-        if request_id in self.sequences:
+        `step()` as they fill (module docstring). With `choices` (id, parameters), its prompt
+        is computed once under `request_id` with `params` and forked into one sequence per
+        choice, whose outputs carry the choice's id (engine/forks.py)."""
+        if request_id in self.sequences or request_id in self.forks:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
         seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        if choices:
+            in_use = self.sequences.keys() | self.forks.parent_of.keys()
+            check_choices(request_id, choices, in_use, self.config.max_num_seqs)
+            for _, choice_params in choices:
+                self.validate_prompt(prompt_token_ids, choice_params)
+            self.forks.add(seq, [
+                self.new_sequence(choice_id, prompt_token_ids, p, priority, seq.arrival_time)
+                for choice_id, p in choices
+            ])
         held = not self.structured_output.admit(seq)  # its grammar compiles: scheduled later
         self.sequences[request_id] = seq
         if export_prompt_blocks:
@@ -229,10 +219,17 @@ class LLMEngine:
         self.finish_request(request_id, "abort")
 
     def finish_request(self, request_id: str, reason: str) -> None:
-        """Ends a request now (abort, stop string); its blocks are freed at once."""
+        """Ends a request now (abort, stop string); its blocks are freed at once. A choice
+        not forked yet leaves its prompt, which ends with its last choice."""
+        if request_id in self.forks:
+            parent = self.forks.drop_child(request_id)
+            if parent is not None:
+                self.finish_request(parent.request_id, reason)
+            return
         seq = self.sequences.pop(request_id, None)
         self.num_exported_blocks.pop(request_id, None)
         if seq is not None:
+            self.forks.forget(seq)
             if self.structured_output.discard(request_id) is not None:
                 self._schedule(seq)  # held while its grammar compiled: the scheduler ends it
             self.scheduler.finish(seq, reason)
@@ -261,12 +258,13 @@ class LLMEngine:
             self.runner.synchronize()  # the step's device work, not just its launches
             self.preemption.observe_prefill(num_prefill_tokens, time.perf_counter() - started)
         for scheduled in schedule.scheduled:
+            self.num_prompt_tokens_computed += scheduled.num_prompt_tokens
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(scheduled.seq)
             if scheduled.seq.request_id in self.num_exported_blocks:
                 self._export_filled_blocks(scheduled.seq, result.exported_blocks)
-        for scheduled, sample in samples:
-            seq = scheduled.seq
+        forked_scores = self._fork_sampled(samples)
+        for seq, sample in samples:
             reason = seq.append_token(sample.token_id)
             if reason is not None:
                 self.sequences.pop(seq.request_id, None)
@@ -284,11 +282,31 @@ class LLMEngine:
                     prompt_logprobs=(
                         seq.prompt_logprobs.take(seq.prompt_token_ids)
                         if seq.prompt_logprobs is not None
-                        else None
+                        else forked_scores.get(seq.request_id)
                     ),
                 )
             )
         return result
+
+    def _fork_sampled(
+        self, samples: list[tuple[Sequence, SampleResult]]
+    ) -> dict[str, list[PromptTokenLogprobs] | None]:
+        """Forks every prompt whose children were sampled in this step and ends it
+        (engine/forks.py); returns the prompt's scores for each child, when it asked."""
+        scores = {}
+        for seq, _ in samples:
+            parent = self.forks.parent_of.get(seq.request_id)
+            if parent is None:
+                continue
+            children = parent.children
+            parent_scores = self.forks.fork(parent)
+            self.sequences.pop(parent.request_id, None)
+            self.num_exported_blocks.pop(parent.request_id, None)
+            self.scheduler.finish(parent, "forked")
+            for child in children:
+                self.sequences[child.request_id] = child
+                scores[child.request_id] = parent_scores
+        return scores
 
     def _schedule(self, seq: Sequence) -> None:
         """Hands a sequence that was held while its grammar compiled to the scheduler."""
@@ -348,32 +366,18 @@ class LLMEngine:
         error: Exception,
     ) -> NoReturn:
         """The step's batch raised `error`: ends the sequences that raise alone and raises
-        StepFailure naming them, or re-raises `error` if none does (module docstring)."""
-        if len(scheduled) == 1:
-            culprits: dict[str, Exception] = {scheduled[0].seq.request_id: error}
-        else:
-            culprits = {}
-            for item in scheduled:
-                # Every lone run repeats the step's copy-on-write copies (idempotent): the
-                # schedule that asked for them is gone, and the re-run will not ask again.
-                alone = SchedulerOutput(scheduled=[item], blocks_to_copy=blocks_to_copy)
-                generator = item.seq.generator
-                generator_state = generator.get_state() if generator is not None else None
-                try:
-                    self.runner.execute(alone)
-                except Exception as lone_error:  # noqa: BLE001 (whatever it is, it is its own)
-                    culprits[item.seq.request_id] = lone_error
-                finally:
-                    if generator is not None:
-                        generator.set_state(generator_state)
-            if not culprits:
-                raise error
+        StepFailure naming them (a parent by its children), or re-raises `error` if none does
+        (engine/step_failure.py)."""
+        culprits = find_culprits(self.runner, scheduled, blocks_to_copy, error)
+        named: dict[str, Exception] = {}
         for request_id, culprit_error in culprits.items():
             logger.error(
                 "request %s failed the engine step on its own", request_id, exc_info=culprit_error
             )
+            seq = self.sequences[request_id]
+            named.update({c.request_id: culprit_error for c in seq.children or [seq]})
             self.finish_request(request_id, "error")
-        raise StepFailure(culprits) from error
+        raise StepFailure(named) from error
 
     def _swap(self, schedule: SchedulerOutput) -> None:
         """The step's swaps, before anything writes the device blocks a swap-out gave up."""
@@ -460,7 +464,8 @@ class LLMEngine:
         return None
 
     def scheduling_stats(self) -> dict[str, Any]:
-        """Preemptions by cure, swapped bytes and queue wait by priority (NodeStats fields)."""
+        """Preemptions by cure, swapped bytes, queue wait by priority, prompt tokens computed
+        and copy-on-write block copies (NodeStats fields)."""
         by_mode = self.scheduler.num_preemptions_by_mode
         swap = self.swap_space
         return {
@@ -468,6 +473,8 @@ class LLMEngine:
             "num_recompute_preemptions": by_mode["recompute"],
             "swap_out_bytes_total": swap.bytes_out_total if swap else 0,
             "swap_in_bytes_total": swap.bytes_in_total if swap else 0,
+            "prompt_tokens_computed_total": self.num_prompt_tokens_computed,
+            "kv_block_copies_total": self.block_manager.num_copied_blocks,
             "queue_wait_seconds_by_priority": {
                 str(p): s for p, s in self.queue_wait.seconds_by_priority.items()
             },

@@ -28,7 +28,7 @@ from engine.model_config import ModelConfig
 from engine.prompt_logprobs import ScoringPlan
 from engine.sampler import Sampler, SampleResult
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from wire.limits import MAX_LOGPROBS
 
@@ -195,8 +195,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[tuple[ScheduledSequence, SampleResult]]:
-        """Runs the step; returns a sample for each sequence whose chunk reached its end."""
+    def execute(self, step: SchedulerOutput) -> list[tuple[Sequence, SampleResult]]:
+        """Runs the step; returns a sample for each sequence whose chunk reached its end (for
+        each of its children instead, when it has some: engine/forks.py)."""
         self.kv_cache.copy_blocks(step.blocks_to_copy)
         ordered = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         batch = build_flat_batch(
@@ -231,8 +232,11 @@ class ModelRunner:
             num_sampled = batch.logits_indices.numel()
             scoring.record(logits[num_sampled:])
             logits = logits[:num_sampled]
-        sampled = [s for s in ordered if s.completes_prompt]
+        sampled = [s.seq for s in ordered if s.completes_prompt]
         if not sampled:
             return []
-        results = self.sampler(logits, [s.seq for s in sampled])
-        return list(zip(sampled, results))
+        rows = [row for seq in sampled for row in seq.children or [seq]]
+        if len(rows) != len(sampled):  # a prompt's last position, sampled once per child
+            repeats = torch.tensor([seq.num_seqs for seq in sampled], device=logits.device)
+            logits = logits.repeat_interleave(repeats, dim=0)
+        return list(zip(rows, self.sampler(logits, rows)))

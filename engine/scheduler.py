@@ -17,6 +17,8 @@ budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
      lowest running one, that one is preempted to make room; otherwise admission stops (no
      overtaking). Idle cached blocks are evicted before an admission is refused or anything
      is preempted.
+A prompt with n choices (engine/forks.py) counts as n sequences against the cap until it forks
+into them (it is refused at submission when n exceeds the cap).
 Every sequence submitted fits the whole cache on its own (checked by the engine at submission),
 so the first running sequence can always progress: no deadlock.
 """
@@ -45,6 +47,12 @@ class ScheduledSequence:
     def completes_prompt(self) -> bool:
         """True when this chunk reaches the sequence's last token, so a token is sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of this chunk's tokens are prompt tokens (computed, not sampled)."""
+        start = self.seq.num_computed_tokens
+        return max(0, min(start + self.num_new_tokens, self.seq.num_prompt_tokens) - start)
 
 
 @dataclass
@@ -109,6 +117,11 @@ class Scheduler:
         return sum(self.num_preemptions_by_mode.values())
 
     @property
+    def num_running_seqs(self) -> int:
+        """Running sequences, a prompt with n choices counted n times (engine/forks.py)."""
+        return sum(seq.num_seqs for seq in self.running)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -130,7 +143,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             num_new = None
-            if len(self.running) < self.max_num_seqs:
+            if self.num_running_seqs + seq.num_seqs <= self.max_num_seqs:
                 num_new = self._admit(seq, budget, out)
             if num_new is not None:
                 self.waiting.pop_first()

@@ -11,6 +11,8 @@ waiting in the same queue, and copied back in when admitted again).
 `token_ids` only grows (prompt, then each appended output token), whatever the state.
 `grammar` (a request with `structured_output`, once its grammar compiled) follows the output
 tokens: `append_token` advances it, so it survives preemption as the tokens do.
+`children` (a prompt asked for n > 1 choices): the choices' own sequences, which the prompt's
+last position is sampled for in its place; they fork from it then (engine/forks.py).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Sequence:
             else None
         )
         self.grammar: SequenceGrammar | None = None
+        self.children: list[Sequence] = []
         self._token_id_buffer = np.empty(0, dtype=np.int64)
         self._num_buffered_token_ids = 0
         if params.seed is not None:
@@ -106,6 +109,11 @@ class Sequence:
         self._token_id_buffer[start:num_tokens] = self.token_ids[start:]
         self._num_buffered_token_ids = num_tokens
         return self._token_id_buffer[:num_tokens]
+
+    @property
+    def num_seqs(self) -> int:
+        """How many sequences this one stands for (its children, once forked)."""
+        return len(self.children) or 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

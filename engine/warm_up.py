@@ -121,10 +121,10 @@ def _warm_up_sequence(
 
 
 def _advance_warm_up(
-    step: SchedulerOutput, samples: list[tuple[ScheduledSequence, SampleResult]]
+    step: SchedulerOutput, samples: list[tuple[Sequence, SampleResult]]
 ) -> None:
     """Marks a warm-up step's chunks computed and appends their sampled tokens."""
     for scheduled in step.scheduled:
         scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
-    for scheduled, sample in samples:
-        scheduled.seq.token_ids.append(sample.token_id)
+    for seq, sample in samples:
+        seq.token_ids.append(sample.token_id)

@@ -7,6 +7,10 @@ Lifecycle of a request here:
   joined     a prompt a prefill node computed, whose KV already sits in `block_ids` (`join`,
              decode nodes): it starts decoding after its first token, so its tokens stream
              from offset 1;
+A Generate with `choices` (n > 1) is one prompt computed once and forked into its choices
+(engine/forks.py); from then on each choice is a request of its own here, by its id (its
+tokens, its abort, its failure); joined, every choice takes the transferred blocks.
+
   active     every engine step's outputs become ONE TokenBatch (a TokenUpdate per request;
              one carrying a prompt's logprobs goes in a TokenBatch of its own);
   ended      by its finish reason, by `abort` (the router's Abort), or by a failed step: a
@@ -21,12 +25,21 @@ Lifecycle of a request here:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
+from engine.forks import join_prefilled_choices
 from engine.llm_engine import LLMEngine, StepFailure
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParams
-from wire.messages import Generate, PrefillDone, RequestFailed, TokenBatch, TokenUpdate
+from wire.messages import (
+    Generate,
+    PrefillDone,
+    PrefillRequest,
+    RequestFailed,
+    TokenBatch,
+    TokenUpdate,
+)
 from wire.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
@@ -38,6 +51,17 @@ def request_params(request_id: str, sampling: dict[str, Any], in_use: bool) -> S
     if in_use:
         raise ValueError(f"request id {request_id!r} is already in use")
     return SamplingParams(**sampling)
+
+
+def choice_params(
+    message: Generate | PrefillRequest, in_use: Callable[[str], bool]
+) -> list[tuple[str, SamplingParams]]:
+    """Each choice's id and checked sampling settings (none for a one-choice request);
+    ValueError or TypeError (the request's 400) otherwise."""
+    return [
+        (c.request_id, request_params(c.request_id, c.sampling, in_use(c.request_id)))
+        for c in message.choices
+    ]
 
 
 def step_failure(request_id: str, error: Exception, doing: str) -> RequestFailed:
@@ -59,15 +83,20 @@ class Generation:
         self.generation_tokens_total = 0
 
     def in_use(self, request_id: str) -> bool:
-        return request_id in self.active or request_id in self.engine.sequences
+        engine = self.engine
+        return (
+            request_id in self.active or request_id in engine.sequences or request_id in engine.forks
+        )
 
     def admit(self, message: Generate) -> RequestFailed | None:
         """Queues a request whose prompt this engine computes; its refusal, if refused."""
         request_id = message.request_id
         try:
             params = request_params(request_id, message.sampling, self.in_use(request_id))
+            choices = choice_params(message, self.in_use)
             self.engine.add_request(
-                request_id, message.prompt_token_ids, params, message.priority
+                request_id, message.prompt_token_ids, params, message.priority,
+                choices=choices or None,
             )
         except (ValueError, TypeError) as error:
             logger.info("rejected request %s: %s", request_id, error)
@@ -75,13 +104,14 @@ class Generation:
         except Exception as error:  # a bad request must not kill the node
             logger.exception("failed to admit request %s", request_id)
             return RequestFailed(request_id, f"internal error: {error}", 500)
-        self.active.add(request_id)
+        self.active.update([c for c, _ in choices] or [request_id])
         self.prompt_tokens_total += len(message.prompt_token_ids)
         logger.info(
-            "admitted request %s (%d prompt tokens, max_tokens %d)",
+            "admitted request %s (%d prompt tokens, max_tokens %d, %d choices)",
             request_id,
             len(message.prompt_token_ids),
             params.max_tokens,
+            len(choices) or 1,
         )
         return None
 
@@ -92,10 +122,14 @@ class Generation:
         block_ids: list[int],
         first: PrefillDone,
         arrival_time: float,
+        choices: list[tuple[str, SamplingParams]] | None = None,
     ) -> TokenBatch | None:
         """Starts decoding a request prefilled elsewhere, from its first token; the batch that
-        ends it when the first token already did. ValueError if the engine cannot take it
-        (the caller still owns `block_ids` then)."""
+        ends it when the first token already did. With `choices` (those still wanted), each
+        one the prefill node sampled joins with its own first token, sharing `block_ids`.
+        ValueError if the engine cannot take it (the caller still owns `block_ids` then)."""
+        if choices is not None:
+            return self._join_choices(message, block_ids, first, arrival_time, choices)
         request_id = message.request_id
         reason = self.engine.add_prefilled_request(
             request_id,
@@ -120,6 +154,41 @@ class Generation:
             offset=1,
         )
         return TokenBatch(self.node_id, [update])
+
+    def _join_choices(
+        self,
+        message: Generate,
+        block_ids: list[int],
+        first: PrefillDone,
+        arrival_time: float,
+        choices: list[tuple[str, SamplingParams]],
+    ) -> TokenBatch | None:
+        sampled = {c.request_id: c.token_id for c in first.choices}
+        joining = [(c, p, sampled[c]) for c, p in choices if c in sampled]
+        if not joining:  # every choice was aborted on the prefill node
+            self.engine.release_blocks(block_ids)
+            return None
+        reasons = join_prefilled_choices(
+            self.engine, message.request_id, message.prompt_token_ids, joining, block_ids,
+            first.num_cached_tokens, message.priority, arrival_time,
+        )
+        self.generation_tokens_total += len(joining)
+        updates = []
+        for choice_id, reason in reasons.items():
+            if reason is None:
+                self.active.add(choice_id)
+                continue
+            updates.append(
+                TokenUpdate(
+                    request_id=choice_id,
+                    token_ids=[],
+                    finish_reason=reason,
+                    num_prompt_tokens=len(message.prompt_token_ids),
+                    num_cached_tokens=first.num_cached_tokens,
+                    offset=1,
+                )
+            )
+        return TokenBatch(self.node_id, updates) if updates else None
 
     def abort(self, request_id: str) -> bool:
         """Ends an active request; False if it is not one."""

@@ -249,9 +249,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _chat_turn(llm, history: list[dict], params) -> str:
-    from text.tokenizer import apply_chat_template
-
-    return _print_stream(llm.stream(apply_chat_template(llm.tokenizer, history), params))
+    return _print_stream(llm.stream(llm.tokenizer.apply_chat_template(history), params))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -20,6 +20,10 @@ It ends on its transfer's COMPLETE or FAILED event (a FAILED while PREFILLING is
 503 to the router), or at once when aborted before any block was written: its source blocks are
 released then. Deadlines: the sender times every stage by the decode node's `deadline_s` (its
 FAILED event ends the request); the node itself times none.
+A PrefillRequest with `choices` (n > 1) is one request here, under its prompt's id: one
+prefill, one transfer. Each choice's first token goes to the router under the choice's id, and
+one PrefillDone carries them all; an Abort naming one choice drops it alone (the last one
+aborts the request), and a failure is reported once per choice.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
@@ -35,11 +39,12 @@ from engine.llm_engine import LLMEngine, StepFailure
 from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
 from kvtransfer.fingerprint import model_fingerprint
 from node.config import NodeConfig
-from node.generation import request_params, step_failure
+from node.generation import choice_params, request_params, step_failure
 from node.runtime import NodeRuntime
 from prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
 from wire.messages import (
     Abort,
+    ChoiceToken,
     PrefillDone,
     PrefillRequest,
     RequestFailed,
@@ -61,8 +66,13 @@ class _Request:
     sender: KVSender
     decode_address: str
     num_prompt_tokens: int
+    choice_ids: list[str] = field(default_factory=list)  # n > 1: the choices still wanted
     stage: Stage = Stage.PREFILLING
     first_write_at: float | None = None  # when its transfer started (for its duration)
+
+    def wire_ids(self, request_id: str) -> list[str]:
+        """The ids the router knows this request by: its choices', or its own."""
+        return list(self.choice_ids) or [request_id]
 
 
 class PrefillNode(NodeRuntime):
@@ -76,6 +86,7 @@ class PrefillNode(NodeRuntime):
         self.prefill = PrefillEngine(engine)
         self.senders: dict[str, tuple[bytes, KVSender]] = {}
         self.requests: dict[str, _Request] = {}
+        self.prompt_of: dict[str, str] = {}  # a choice's id -> its request's
         self.transfer_failures = 0
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
@@ -108,7 +119,8 @@ class PrefillNode(NodeRuntime):
         500 for anything else."""
         request_id = message.request_id
         try:
-            params = request_params(request_id, message.sampling, request_id in self.requests)
+            params = request_params(request_id, message.sampling, self._in_use(request_id))
+            choices = choice_params(message, self._in_use)
             sender = self._sender(message.kv_descriptor)
             self.prefill.add(
                 request_id,
@@ -116,6 +128,7 @@ class PrefillNode(NodeRuntime):
                 params,
                 message.dst_block_ids,
                 message.priority,
+                choices or None,
             )
         except (ValueError, TypeError) as error:
             logger.info("rejected prefill of %s: %s", request_id, error)
@@ -130,10 +143,18 @@ class PrefillNode(NodeRuntime):
             reason = f"internal error while admitting the prefill of {request_id!r}"
             self.send(RequestFailed(request_id, reason, 500))
             return
+        choice_ids = [c for c, _ in choices]
         self.requests[request_id] = _Request(
-            sender, message.decode_address, len(message.prompt_token_ids)
+            sender, message.decode_address, len(message.prompt_token_ids), choice_ids
         )
-        logger.info("prefilling %s (%d tokens)", request_id, len(message.prompt_token_ids))
+        self.prompt_of.update((c, request_id) for c in choice_ids)
+        logger.info(
+            "prefilling %s (%d tokens, %d choices)",
+            request_id, len(message.prompt_token_ids), len(choice_ids) or 1,
+        )
+
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.prompt_of
 
     def _sender(self, encoded_descriptor: bytes) -> KVSender:
         """The sender to the decode node `encoded_descriptor` describes. A decode node whose
@@ -174,6 +195,14 @@ class PrefillNode(NodeRuntime):
                 self._finish(request_id)
 
     def _abort(self, request_id: str) -> None:
+        prompt_id = self.prompt_of.pop(request_id, None)
+        if prompt_id is not None:  # one choice: the others go on
+            request = self.requests[prompt_id]
+            request.choice_ids.remove(request_id)
+            self.prefill.abort(request_id)
+            if request.choice_ids:
+                return
+            request_id = prompt_id
         request = self.requests.get(request_id)
         if request is None:
             return
@@ -213,11 +242,10 @@ class PrefillNode(NodeRuntime):
                     # (a lost Committed message fails only this side); it reports its own
                     # failure by its deadline.
                     if request.stage is Stage.PREFILLING:
-                        self.send(
-                            RequestFailed(
-                                event.transfer_id, event.error or "KV transfer failed", 503
+                        for wire_id in request.wire_ids(event.transfer_id):
+                            self.send(
+                                RequestFailed(wire_id, event.error or "KV transfer failed", 503)
                             )
-                        )
                     self.prefill.abort(event.transfer_id)
                 elif event.kind is TransferKind.COMPLETE and request.first_write_at is not None:
                     self.transfer_seconds += time.monotonic() - request.first_write_at
@@ -229,7 +257,8 @@ class PrefillNode(NodeRuntime):
         except StepFailure as failure:  # these alone; the rest of the step runs again
             for request_id, error in failure.errors.items():
                 refusal = step_failure(request_id, error, "prefilling")
-                self._fail(request_id, refusal.message, refusal.status)
+                self._fail(self.prompt_of.get(request_id, request_id), refusal.message,
+                           refusal.status)
             return
         except Exception:  # fail the requests, keep the node
             logger.exception("prefill step failed")
@@ -238,14 +267,35 @@ class PrefillNode(NodeRuntime):
             return
         for write in step.writes:
             self._write(write)
+        sampled: dict[str, list[FirstToken]] = {}
         for first in step.first_tokens:
-            self._first_token(first)
+            sampled.setdefault(first.prompt_id, []).append(first)
+        for prompt_id, firsts in sampled.items():
+            self._first_tokens(prompt_id, firsts)
 
-    def _first_token(self, first: FirstToken) -> None:
-        request = self.requests.get(first.request_id)
+    def _first_tokens(self, prompt_id: str, firsts: list[FirstToken]) -> None:
+        """A prompt's first tokens (one per choice) to the router, then PrefillDone."""
+        request = self.requests.get(prompt_id)
         if request is None:
             return
-        logprobs = [first.logprobs.to_wire()] if first.logprobs is not None else None
+        for first in firsts:
+            self.prompt_of.pop(first.request_id, None)
+            self._first_token(request, first)
+        self._enter(request, Stage.TOKEN_SENT)
+        first = firsts[0]
+        if not request.choice_ids:
+            done = PrefillDone(
+                prompt_id, first.token_id, _wire_logprobs(first), first.num_cached_tokens
+            )
+        else:
+            done = PrefillDone(
+                prompt_id, -1, None, first.num_cached_tokens,
+                [ChoiceToken(f.request_id, f.token_id, _wire_logprobs(f)) for f in firsts],
+            )
+        self.send(done, request.decode_address)
+
+    def _first_token(self, request: _Request, first: FirstToken) -> None:
+        logprobs = _wire_logprobs(first)
         update = TokenUpdate(
             request_id=first.request_id,
             token_ids=[first.token_id],
@@ -260,11 +310,6 @@ class PrefillNode(NodeRuntime):
             ),
         )
         self.send(TokenBatch(self.node_id, [update]))
-        self._enter(request, Stage.TOKEN_SENT)
-        self.send(
-            PrefillDone(first.request_id, first.token_id, logprobs, first.num_cached_tokens),
-            request.decode_address,
-        )
 
     def _fail(self, request_id: str, message: str, status: int) -> None:
         """Ends a request with an error to the router; its blocks are released now when no
@@ -272,13 +317,21 @@ class PrefillNode(NodeRuntime):
         request = self.requests.get(request_id)
         if request is None:
             return
-        self.send(RequestFailed(request_id, message, status))
+        for wire_id in request.wire_ids(request_id):
+            self.send(RequestFailed(wire_id, message, status))
         self._abort(request_id)
 
     def _finish(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            for choice_id in request.choice_ids:
+                self.prompt_of.pop(choice_id, None)
         self.prefill.release(request_id)
 
     def shutdown(self) -> None:
         for _, sender in self.senders.values():
             sender.close()
+
+
+def _wire_logprobs(first: FirstToken) -> list | None:
+    return [first.logprobs.to_wire()] if first.logprobs is not None else None

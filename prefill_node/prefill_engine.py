@@ -14,6 +14,9 @@ Lifecycle of one request:
                blocks stay in the prefix cache) but its exported blocks stay held until
   release()    the owner calls it when the transfer completed or failed.
   abort()      ends the request wherever it is; held blocks stay held until release().
+With choices (n > 1), the prompt is computed once under the request's id and every choice's
+first token is sampled from its last position (engine/forks.py): each `FirstToken` names its
+choice and the prompt (`prompt_id`), whose blocks leave once for all of them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class FirstToken:
     logprobs: TokenLogprobs | None
     num_cached_tokens: int
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    prompt_id: str = ""  # the request whose prompt it is (its own id, or its choices' prompt)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class PrefillEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.outgoing: dict[str, _Outgoing] = {}
+        self.prompt_of: dict[str, str] = {}  # a choice's id -> its prompt's, until sampled
 
     def add(
         self,
@@ -69,6 +74,7 @@ class PrefillEngine:
         params: SamplingParams,
         dst_block_ids: list[int],
         priority: int = 0,
+        choices: list[tuple[str, SamplingParams]] | None = None,
     ) -> None:
         """Raises ValueError for a bad request, or when the decode node reserved a number of
         blocks that does not match the prompt."""
@@ -78,13 +84,16 @@ class PrefillEngine:
                 f"request {request_id}: {len(dst_block_ids)} target blocks for a prompt of "
                 f"{len(prompt_token_ids)} tokens, which needs {needed}"
             )
-        first_only = dataclasses.replace(
-            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None
-        )
         self.engine.add_request(
-            request_id, prompt_token_ids, first_only, priority, export_prompt_blocks=True
+            request_id,
+            prompt_token_ids,
+            _first_only(params),
+            priority,
+            export_prompt_blocks=True,
+            choices=[(c, _first_only(p)) for c, p in choices] if choices else None,
         )
         self.outgoing[request_id] = _Outgoing(list(dst_block_ids))
+        self.prompt_of.update((c, request_id) for c, _ in choices or [])
 
     def step(self) -> PrefillStep:
         """One engine step: the block writes it made ready (to issue before the first tokens
@@ -106,6 +115,7 @@ class PrefillEngine:
                     logprobs,
                     output.num_cached_tokens,
                     output.prompt_logprobs,
+                    self.prompt_of.pop(output.request_id, output.request_id),
                 )
             )
         return result
@@ -114,7 +124,9 @@ class PrefillEngine:
         return self.engine.has_unfinished_requests()
 
     def abort(self, request_id: str) -> None:
+        """Ends a request, or one choice of it (its prompt goes on for the others)."""
         self.engine.abort_request(request_id)
+        self.prompt_of.pop(request_id, None)
 
     def blocks_sent(self, request_id: str) -> int:
         outgoing = self.outgoing.get(request_id)
@@ -125,3 +137,12 @@ class PrefillEngine:
         outgoing = self.outgoing.pop(request_id, None)
         if outgoing is not None:
             self.engine.release_blocks(outgoing.held_block_ids)
+        for choice_id in [c for c, prompt in self.prompt_of.items() if prompt == request_id]:
+            del self.prompt_of[choice_id]
+
+
+def _first_only(params: SamplingParams) -> SamplingParams:
+    """A request's settings for its first token alone."""
+    return dataclasses.replace(
+        params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None
+    )

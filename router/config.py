@@ -7,6 +7,7 @@ from pathlib import Path
 
 from router.node_registry import parse_node_spec
 from wire.cluster_auth import ClusterAuth
+from wire.limits import MAX_CHOICES_PER_PROMPT
 
 
 @dataclass
@@ -62,6 +63,8 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; expected an integer >= 1")
+        if not 1 <= self.max_n <= MAX_CHOICES_PER_PROMPT:
+            raise ValueError(f"max_n is {self.max_n!r}; expected 1 to {MAX_CHOICES_PER_PROMPT}")
         if not 0 < self.max_queue_delay_s <= 3600:
             raise ValueError(
                 f"max_queue_delay_s is {self.max_queue_delay_s}; expected (0, 3600] s"

@@ -1,5 +1,6 @@
 """One API request's generation: `n` node sub-requests (the choices: n per prompt, for each
-prompt of a batch, router/prompts.py) read from one merged queue, each detokenized
+prompt of a batch, router/prompts.py; a prompt's n choices sent in one message, its prompt
+computed once, router/choice_groups.py) read from one merged queue, each detokenized
 incrementally and cut at its stop strings, yielded as per-choice events.
 
 `events()` ends when every choice has finished; its `finally` (and `close()`) aborts every
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.admission import AdmissionQueue
+from router.choice_groups import ChoiceGroup, choice_groups
 from router.errors import APIError, ClientDisconnected, invalid
 from router.logprobs import check_prompt_entries
 from router.metrics import RouterMetrics
@@ -161,29 +163,32 @@ class Generation:
             lengths = [len(self.plan.prompt_of(i)) for i in range(self.plan.n)]
             self.admission.admit_batch(lengths)
             self._places = dict(enumerate(lengths))
-        for index, sampling in enumerate(self.plan.samplings):
-            sub_id = f"{self.request_id}-{index}"
-            prompt = self.plan.prompt_of(index)
-            self._submit(sub_id, prompt, sampling)
-            choice = _Choice(
-                index,
-                sub_id,
-                IncrementalDetokenizer(self.tokenizer, prompt, self.plan.skip_special_tokens),
-                StopStringMatcher(self.plan.stop),
-                time.monotonic(),
-            )
-            self.choices.append(choice)
-            self._by_request_id[sub_id] = choice
+        for group in choice_groups(self.request_id, self.plan):  # a prompt's n choices at once
+            self._submit(group)
+            for index, (sub_id, _) in zip(group.indices, group.choices):
+                choice = _Choice(
+                    index,
+                    sub_id,
+                    IncrementalDetokenizer(
+                        self.tokenizer, group.prompt, self.plan.skip_special_tokens
+                    ),
+                    StopStringMatcher(self.plan.stop),
+                    time.monotonic(),
+                )
+                self.choices.append(choice)
+                self._by_request_id[sub_id] = choice
 
-    def _submit(self, sub_id: str, prompt: list[int], sampling: dict[str, Any]) -> None:
+    def _submit(self, group: ChoiceGroup) -> None:
         try:
-            self.client.submit(sub_id, prompt, sampling, self.queue, self.plan.priority)
+            self.client.submit_choices(
+                group.prompt_id, group.prompt, group.choices, self.queue, self.plan.priority
+            )
         except KeyError:
             raise  # a bug, not a missing node (KeyError is a LookupError)
         except (LookupError, RuntimeError) as error:
             raise APIError(503, f"No node can take the request now ({error}).") from None
         except OverflowError:
-            raise self._unsendable(sampling) from None
+            raise self._unsendable(group.choices[0][1]) from None
 
     def _unsendable(self, sampling: dict[str, Any]) -> APIError:
         """The 400 for a sampling value too large for the wire (validation bounds them all;

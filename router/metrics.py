@@ -47,6 +47,16 @@ _NODE_COUNTERS = (
         "KV blocks evicted from the node's prefix cache",
         "prefix_cache_evicted_blocks_total",
     ),
+    (
+        "pdserve_prompt_tokens_computed",
+        "Prompt tokens the node computed (prefill; n choices of a prompt compute it once)",
+        "prompt_tokens_computed_total",
+    ),
+    (
+        "pdserve_kv_block_copies",
+        "KV blocks copied on write (choices forked from one prompt appending to a shared block)",
+        "kv_block_copies_total",
+    ),
     ("pdserve_kv_transfer_bytes", "KV bytes sent to decode nodes", "kv_transfer_bytes_total"),
     (
         "pdserve_kv_transfer_seconds",

@@ -56,6 +56,7 @@ from router.queue_delay import PromptQueues
 from router.routing import PrefillRouter, pick_decode_node
 from wire.cluster_auth import ClusterAuth
 from wire.messages import (
+    Choice,
     Generate,
     Heartbeat,
     NodeStats,
@@ -165,18 +166,55 @@ class NodeClient:
         one queue for several requests to read them merged). Raises LookupError when no node
         is alive, APIError 429 when the request would wait too long for its prefill, and
         RuntimeError when the node's socket cannot take the message."""
+        return self.submit_choices(request_id, prompt_ids, [(request_id, sampling)], queue, priority)
+
+    def submit_choices(
+        self,
+        prompt_id: str,
+        prompt_ids: list[int],
+        choices: list[tuple[str, dict[str, Any]]],
+        queue: asyncio.Queue | None = None,
+        priority: int = 0,
+    ) -> asyncio.Queue:
+        """`submit` for n choices (id, sampling) of one prompt: ONE Generate, under
+        `prompt_id`, carrying them (router/choice_groups.py); each choice is then a request
+        of its own here (its updates, abort and retry, by its id). One choice travels as a
+        plain Generate under its own id."""
         node = self.live_node()
         if node is None:
             raise LookupError("no live node")
-        if request_id in self.inflight:
-            raise ValueError(f"request id {request_id!r} is in use")
-        request = Generate(request_id, prompt_ids, sampling, priority=priority)
-        entry = InFlight(queue if queue is not None else asyncio.Queue(), node, request=request)
-        prefill, computing, num_tokens = self._route(entry, node)
+        in_use = next((c for c, _ in choices if c in self.inflight), None)
+        if in_use is not None:
+            raise ValueError(f"request id {in_use!r} is in use")
+        queue = queue if queue is not None else asyncio.Queue()
+        entries = {
+            choice_id: InFlight(
+                queue, node, request=Generate(choice_id, prompt_ids, sampling, priority=priority)
+            )
+            for choice_id, sampling in choices
+        }
+        first_id, first = next(iter(entries.items()))
+        prefill, computing, num_tokens = self._route(first, node)
         self._check_queue_delay(computing, num_tokens)
-        self._send(entry, request_id, request_id, node, prefill, computing, num_tokens)
-        self.inflight.add(request_id, entry)
-        return entry.queue
+        if len(entries) == 1:
+            self._send(first, first_id, first_id, node, prefill, computing, num_tokens)
+        else:
+            message = Generate(
+                prompt_id,
+                prompt_ids,
+                choices[0][1],
+                prefill_address=prefill.address if prefill is not None else None,
+                priority=priority,
+                choices=[Choice(choice_id, sampling) for choice_id, sampling in choices],
+            )
+            self._send_message(node, message, prefill)
+            for index, (choice_id, entry) in enumerate(entries.items()):  # the prompt, once
+                self.inflight.sent(
+                    choice_id, entry, node, prefill, computing, num_tokens if index == 0 else 0
+                )
+        for choice_id, entry in entries.items():
+            self.inflight.add(choice_id, entry)
+        return queue
 
     def _route(
         self, entry: InFlight, node: NodeState
@@ -222,8 +260,11 @@ class NodeClient:
             request_id=wire_id,
             prefill_address=prefill.address if prefill is not None else None,
         )
-        self.links.send(node, message)
+        self._send_message(node, message, prefill)
         self.inflight.sent(request_id, entry, node, prefill, computing, num_tokens)
+
+    def _send_message(self, node: NodeState, message: Generate, prefill: NodeState | None) -> None:
+        self.links.send(node, message)
         node.promised_blocks += -(-len(message.prompt_token_ids) // (node.stats.block_size or 16))
         if prefill is not None:
             self.prefill_router.remember(prefill, message.prompt_token_ids)

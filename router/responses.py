@@ -1,7 +1,9 @@
 """Builds the HTTP answer of a running `Generation`: one JSON body, or an SSE stream of
 chunks ending in `data: [DONE]`, for the completions and the chat completions API. With `echo`
 a choice's first event (its first chunk, when streaming) carries its prompt's text and, with
-`logprobs`, the prompt's logprobs before the output's (router/echo.py)."""
+`logprobs`, the prompt's logprobs before the output's (router/echo.py). A chat with tools has
+its choices' text read for tool calls (router/tool_output.py): `message.tool_calls`, or
+`delta.tool_calls` entries, instead of content."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from router.errors import APIError
 from router.generation import ChoiceEvent, Generation
 from router.logprobs import LogprobFormatter, merge_completion
 from router.sse import DONE, sse
+from router.tool_output import ToolCallOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ class Responder:
         self._finish: list[str | None] = [None] * n
         self._echoed = [False] * n
         self._prompt_logprobs: list[Any] = [None] * n  # vLLM's shape, when asked
+        tools = generation.plan.tools
+        self._tool_calls = ToolCallOutput(tools, n) if chat and tools is not None else None
 
     def _usage(self) -> schemas.Usage:
         generation = self.generation
@@ -113,6 +118,9 @@ class Responder:
             make_choice(i, self._text[i], self._finish[i], self._logprobs[i])
             for i in range(self.generation.plan.n)
         ]
+        if self._tool_calls is not None:
+            for choice in choices:
+                self._tool_calls.message(choice)
         object_name = "chat.completion" if self.chat else "text_completion"
         body = schemas.response_body(
             object_name, self.id, self.created, self.model, choices, self._usage()
@@ -141,12 +149,19 @@ class Responder:
             )
         )
 
-    def _event_chunk(self, event: ChoiceEvent) -> dict[str, Any]:
+    def _event_chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
+        """The event's chunk choice; None when a tool call reader holds all of it back."""
         text, logprobs = self._absorb(event)
         if not self.chat:
             return schemas.completion_choice(event.index, text, event.finish_reason, logprobs)
-        delta = {"content": event.text} if event.text or event.finish_reason is None else {}
-        return schemas.chat_chunk_choice(event.index, delta, event.finish_reason, logprobs)
+        finish_reason = event.finish_reason
+        if self._tool_calls is not None:
+            delta, finish_reason = self._tool_calls.delta(event.index, event.text, finish_reason)
+            if delta is None and logprobs is None:
+                return None
+        else:
+            delta = {"content": event.text} if event.text or finish_reason is None else {}
+        return schemas.chat_chunk_choice(event.index, delta or {}, finish_reason, logprobs)
 
     async def stream(
         self, events: AsyncIterator[list[ChoiceEvent]], first: list[ChoiceEvent]
@@ -163,7 +178,9 @@ class Responder:
             batch: list[ChoiceEvent] | None = first
             while batch is not None:
                 for event in batch:
-                    yield self._chunk([self._event_chunk(event)])
+                    choice = self._event_chunk(event)
+                    if choice is not None:
+                        yield self._chunk([choice])
                 batch = await anext(events, None)
             self._done()
             if self.include_usage:

@@ -57,6 +57,13 @@ class _CommonParams(_Request):
     # the prompt's scores (router/echo.py); `echo` is refused on chat
     echo: bool = False
     prompt_logprobs: int | None = None
+    # structured output, read by router/structured.py
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_CommonParams):
@@ -69,11 +76,24 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    # "tool" and "function" parse, to be refused by name (router/unsupported.py)
+    # "function" parses, to be refused by name (router/unsupported.py)
     role: Literal["system", "user", "assistant", "tool", "function", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (router/tools.py)
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -88,6 +108,10 @@ class ChatCompletionRequest(_CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # tool calls, read by router/tools.py
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Request):

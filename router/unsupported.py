@@ -2,10 +2,11 @@
 
 Never silent: a known OpenAI or vLLM parameter that pdserve does not implement is a 400 naming
 it, unless it holds its neutral value (the one that leaves the output as if it were absent:
-`length_penalty: 1`, `tools: []`, null). `NOT_IMPLEMENTED` is the one table of them;
+`length_penalty: 1`, `functions: []`, null). `NOT_IMPLEMENTED` is the one table of them;
 implementing a parameter means adding it to router/schemas.py and removing its entry here.
-The chat history is held to the same rule: tool and function messages, and assistant messages
-that carry tool or function calls, are refused naming `messages[i].<field>`.
+The chat history is held to the same rule: the legacy function messages, and assistant
+messages that carry a `function_call`, are refused naming `messages[i].<field>` (tool messages
+and `tool_calls` are implemented, router/tools.py).
 
 Fields that only describe the request (`INFORMATIONAL`) are accepted. Any other field is
 unknown: accepted, as vLLM does, with one warning per field name (`UnknownFieldLog`, one per
@@ -62,7 +63,7 @@ def _number(neutral_value: float) -> Neutral:
 
 
 def _no_choice(options_field: str) -> Neutral:
-    """`tool_choice` / `function_call`: "none", or "auto" with no tools to choose from."""
+    """`function_call`: "none", or "auto" with no functions to choose from."""
 
     def neutral(value: Any, body: Body) -> bool:
         return value is None or value == "none" or (value == "auto" and not body.get(options_field))
@@ -87,14 +88,9 @@ _NO_CHOICE = "\"none\", \"auto\" without {}, or null"
 # name -> the values that leave the output unchanged. Remove an entry when it is implemented.
 NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
     # OpenAI
-    "tools": _EMPTY_LIST,
-    "tool_choice": NotImplementedParam(_NO_CHOICE.format("'tools'"), _no_choice("tools")),
     "functions": _EMPTY_LIST,
     "function_call": NotImplementedParam(
         _NO_CHOICE.format("'functions'"), _no_choice("functions")
-    ),
-    "response_format": NotImplementedParam(
-        '{"type": "text"} or null', _is({"type": "text"})
     ),
     "best_of": NotImplementedParam("null or the value of 'n'", _best_of),
     "suffix": NotImplementedParam('"" or null', _is("")),
@@ -108,11 +104,6 @@ NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
     "include_stop_str_in_output": NotImplementedParam("false or null", _is(False)),
     "spaces_between_special_tokens": NotImplementedParam("true or null", _is(True)),
     "truncate_prompt_tokens": _NULL,
-    "guided_json": _NULL,
-    "guided_regex": _NULL,
-    "guided_choice": _NULL,
-    "guided_grammar": _NULL,
-    "structured_outputs": _NULL,
     "add_generation_prompt": NotImplementedParam("true or null", _is(True)),
     "continue_final_message": NotImplementedParam("false or null", _is(False)),
     "chat_template": _NULL,
@@ -122,11 +113,11 @@ NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
 
 # Accepted and unused: they describe the request, never change its output.
 INFORMATIONAL = frozenset({
-    "metadata", "parallel_tool_calls", "request_id", "service_tier", "store",
+    "metadata", "request_id", "service_tier", "store",
 })
 
-_REFUSED_ROLES = ("tool", "function")
-_MESSAGE_CALL_FIELDS = ("tool_calls", "function_call")
+_REFUSED_ROLES = ("function",)
+_MESSAGE_CALL_FIELDS = ("function_call",)
 
 
 def check_not_implemented(body: Body) -> None:
@@ -150,15 +141,15 @@ def _check_message(index: int, message: Body) -> None:
     role = message.get("role")
     if role in _REFUSED_ROLES:
         raise invalid(
-            f"messages with role '{role}' are not supported: this server does not implement "
-            "tool or function calling.",
+            f"messages with role '{role}' are not supported: this server implements tool "
+            "calls ('tools', role 'tool'), not the legacy function calls.",
             f"messages[{index}].role",
         )
     for name in _MESSAGE_CALL_FIELDS:
         if message.get(name) not in (None, []):
             raise invalid(
-                f"'{name}' in a message is not supported: this server does not implement tool "
-                "or function calling.",
+                f"'{name}' in a message is not supported: this server implements tool calls "
+                "('tool_calls'), not the legacy function calls.",
                 f"messages[{index}].{name}",
             )
 

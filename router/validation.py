@@ -25,6 +25,8 @@ from router.errors import APIError, invalid
 from router.logit_controls import check_logit_controls, logit_control_params
 from router.prompts import PromptInput, check_num_choices, split_prompts
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.structured import output_spec
+from router.tools import ToolPlan, check_tools, template_input
 from wire.limits import (
     GREEDY_TEMPERATURE_BELOW,
     INT32_MAX,
@@ -47,7 +49,8 @@ class Plan:
     for each prompt, in order, so choice `i` answers prompt `i // choices_per_prompt`.
     `scoring` says what it asks about its prompts (router/echo.py): `echo_prompts` are the
     texts echoed, one per prompt, and `prompt_logprobs` the alternatives the client asked for
-    in its `prompt_logprobs` field."""
+    in its `prompt_logprobs` field. `tools`: the chat's tool calls (router/tools.py), which
+    router/tool_output.py reads out of each choice's text."""
 
     prompts: list[list[int]]
     samplings: list[dict[str, Any]]
@@ -59,6 +62,7 @@ class Plan:
     scoring: PromptScoring = field(default_factory=PromptScoring)
     echo_prompts: list[str] | None = None
     prompt_logprobs: int | None = None
+    tools: ToolPlan | None = None
 
     @property
     def n(self) -> int:
@@ -167,10 +171,12 @@ def prompt_ids(prompt: PromptInput, tokenizer: Any) -> list[int]:
         ) from None
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+def chat_prompt(
+    req: ChatCompletionRequest, tokenizer: Any, tool_plan: ToolPlan | None = None
+) -> list[int]:
+    messages, tools = template_input(req.messages, tool_plan, tokenizer)
     try:
-        return list(tokenizer.apply_chat_template(messages))
+        return list(tokenizer.apply_chat_template(messages, tools=tools))
     except ValueError as error:
         raise invalid(str(error), "messages") from None
     except Exception:  # noqa: BLE001 (template errors are the request's fault)
@@ -256,10 +262,12 @@ def samplings(
     logprobs: int | None,
     vocab_size: int,
     prompt_logprobs: int | None = None,
+    structured_output: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One SamplingParams kwargs dict per choice (seed + i when a seed is given). As in vLLM,
     a temperature below 1e-5 is greedy (0) and a top_k that keeps the whole vocabulary is
-    disabled (-1). `prompt_logprobs` is sent only when set."""
+    disabled (-1). `prompt_logprobs` and `structured_output` (router/structured.py) are sent
+    only when set."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     top_k = req.top_k
     base: dict[str, Any] = {
@@ -275,6 +283,8 @@ def samplings(
     }
     if prompt_logprobs is not None:
         base["prompt_logprobs"] = prompt_logprobs
+    if structured_output is not None:
+        base["structured_output"] = structured_output
     out = []
     for i in range(req.n):
         params = dict(base)
@@ -295,6 +305,7 @@ def plan_completion(
     node is alive) and checks each prompt: its characters (`check_chars`, before tokenizing),
     its token ids and its length with the completion's."""
     scoring = check_prompt_scoring(req, req.logprobs)
+    structured_output = output_spec(req)
     requested = 1 if scoring.prompt_only else req.max_tokens  # max_tokens 0: one, dropped
     stop = check_common(req, requested, config)
     check_logprobs(req.logprobs, "logprobs")
@@ -324,7 +335,9 @@ def plan_completion(
         )
         check_min_tokens(req.min_tokens, max_tokens)
         all_ids.append(ids)
-        all_samplings += samplings(req, max_tokens, req.logprobs, vocab_size, scoring.num_top)
+        all_samplings += samplings(
+            req, max_tokens, req.logprobs, vocab_size, scoring.num_top, structured_output
+        )
     return Plan(
         all_ids,
         all_samplings,
@@ -349,6 +362,8 @@ def plan_chat(
     if req.echo:
         raise invalid("'echo' is available on /v1/completions only.", "echo")
     scoring = check_prompt_scoring(req, None)
+    tools = check_tools(req)
+    structured_output = output_spec(req, tools)
     check_logprobs(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
@@ -356,7 +371,7 @@ def plan_chat(
     for index, message in enumerate(req.messages):
         check_unicode(message.text(), f"messages[{index}].content")
     max_model_len, vocab_size = limits()
-    ids = chat_prompt(req, tokenizer)
+    ids = chat_prompt(req, tokenizer, tools)
     check_prompt_ids(ids, vocab_size, "messages")
     check_scored_prompt(ids, scoring, "messages")
     max_tokens = resolve_max_tokens(
@@ -365,11 +380,12 @@ def plan_chat(
     check_min_tokens(req.min_tokens, max_tokens)
     return Plan(
         [ids],
-        samplings(req, max_tokens, logprobs, vocab_size, scoring.num_top),
+        samplings(req, max_tokens, logprobs, vocab_size, scoring.num_top, structured_output),
         stop,
         req.skip_special_tokens,
         logprobs,
         priority=req.priority,
         scoring=scoring,
         prompt_logprobs=req.prompt_logprobs,
+        tools=tools,
     )

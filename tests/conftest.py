@@ -36,6 +36,7 @@ PROCESS_MODULES = (
     "wire/test_cluster_secret.py",
 )
 SLOW_MODULES = (
+    "cli/test_chat_command.py",
     "engine/test_admission.py",
     "engine/test_disaggregated_engine.py",
     "engine/test_greedy_parity.py",

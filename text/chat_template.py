@@ -3,7 +3,9 @@
 Templates come from the model's files and are untrusted code, so they run in Jinja's immutable
 sandbox. The environment matches what chat templates are written against: `trim_blocks` and
 `lstrip_blocks`, loop controls (`break`, `continue`), a `tojson` that keeps non-ASCII text and
-takes `indent`, `raise_exception(message)` and `strftime_now(format)`.
+takes `indent`, `raise_exception(message)` and `strftime_now(format)`. The conversation is in
+`messages` (with assistant `tool_calls` and `tool` messages as the caller gives them) and the
+callable functions in `tools`, as transformers' `apply_chat_template` passes them.
 """
 
 from __future__ import annotations
@@ -56,12 +58,17 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render_chat(
-    template: jinja2.Template, messages: list[dict], special_tokens: dict[str, str]
+    template: jinja2.Template,
+    messages: list[dict],
+    special_tokens: dict[str, str],
+    tools: list[dict] | None = None,
 ) -> str:
-    """The conversation as text, followed by the assistant's turn header."""
+    """The conversation as text, followed by the assistant's turn header. `tools` are the
+    functions the model may call, OpenAI's `{"type": "function", "function": {...}}` maps, in
+    the template's `tools` variable as Hugging Face passes them (None: no tools)."""
     try:
         return template.render(
-            messages=messages, add_generation_prompt=True, **special_tokens
+            messages=messages, tools=tools, add_generation_prompt=True, **special_tokens
         )
     except ChatTemplateError:
         raise

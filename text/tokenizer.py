@@ -123,12 +123,20 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_id: int) -> str | None:
         return self.backend_tokenizer.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of the conversation followed by the assistant's turn header."""
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of the conversation followed by the assistant's turn header; `tools`
+        (OpenAI's function maps) go to the template's `tools` variable."""
         if self._compiled_template is None:
             raise ValueError("the model has no chat template; use a plain prompt instead")
-        text = render_chat(self._compiled_template, messages, self.special_tokens)
+        text = render_chat(self._compiled_template, messages, self.special_tokens, tools)
         return self.encode(text, add_special_tokens=False)
+
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template's source names `variable` (`tools`, `tool_calls`): a
+        template that never names `tools` shows the model no tools however they are passed."""
+        return self.chat_template is not None and variable in self.chat_template
 
 
 def load_tokenizer(model_path: Path) -> Tokenizer:

@@ -39,3 +39,6 @@ MAX_JSON_SCHEMA_DEPTH = 64
 # prompt's scores in one TokenUpdate, at most 323 msgpack bytes per token with 20 alternatives,
 # so 131,072 tokens (42 MB) stay within wire/messages.py's 64 MiB message limit.
 MAX_PROMPT_LOGPROBS_TOKENS = 131_072
+# n > 1 choices of one prompt travel in one Generate (wire/messages.py): at most this many. The
+# router's `--max-n` must not exceed it.
+MAX_CHOICES_PER_PROMPT = 128

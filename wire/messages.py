@@ -25,6 +25,11 @@ Disaggregated mode adds:
 Token updates carry their `offset` among the request's output tokens, so the router restores
 their order when the first token (from the prefill node) and the rest (from the decode node)
 arrive over different connections.
+n > 1 choices of one prompt travel as ONE Generate (and one PrefillRequest, one PrefillDone,
+one KV transfer) whose `choices` give each choice its own id and sampling: the prompt is
+computed once under the message's `request_id` and forked (engine/forks.py); every other
+message (TokenUpdate, RequestFailed, Abort) is about one choice, by its id. Without `choices`
+a message is about one request, as it always was.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from wire.limits import MAX_CHOICES_PER_PROMPT
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -43,10 +50,30 @@ class ProtocolError(ValueError):
 
 
 @dataclass
+class Choice:
+    """One of n choices of a prompt: the id its tokens and failures travel under, and its
+    own SamplingParams keyword arguments."""
+
+    request_id: str
+    sampling: dict[str, Any]
+
+
+@dataclass
+class ChoiceToken:
+    """A choice's first token, sampled by the prefill node."""
+
+    request_id: str
+    token_id: int
+    logprobs: list[Any] | None = None
+
+
+@dataclass
 class Generate:
     """Start a request. `sampling` holds SamplingParams keyword arguments. With
     `prefill_address` (to a decode node), that prefill node computes the prompt. Lower
-    `priority` is served first (engine.sequence_queue)."""
+    `priority` is served first (engine.sequence_queue). With `choices` (2 to
+    MAX_CHOICES_PER_PROMPT), the prompt is computed once under `request_id` with `sampling`
+    (the first choice's) and forked into the choices, each sampled with its own settings."""
 
     type: ClassVar[str] = "generate"
     request_id: str
@@ -54,6 +81,7 @@ class Generate:
     sampling: dict[str, Any]
     prefill_address: str | None = None
     priority: int = 0
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass
@@ -71,18 +99,21 @@ class PrefillRequest:
     kv_descriptor: bytes
     deadline_s: float
     priority: int = 0
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass
 class PrefillDone:
     """Prefill node -> decode node: the prompt is computed (every block written) and this is
-    its first token."""
+    its first token. With `choices`: one first token per choice the prefill node sampled (a
+    choice aborted there has none), and `token_id` is -1."""
 
     type: ClassVar[str] = "prefill_done"
     request_id: str
     token_id: int
     logprobs: list[Any] | None = None
     num_cached_tokens: int = 0
+    choices: list[ChoiceToken] = field(default_factory=list)
 
 
 @dataclass
@@ -157,6 +188,8 @@ class NodeStats:
     preallocation_wait_seconds_total: float = 0.0
     instance_id: str = ""
     num_leaked_blocks: int = 0
+    prompt_tokens_computed_total: int = 0
+    kv_block_copies_total: int = 0
     num_swap_preemptions: int = 0
     num_recompute_preemptions: int = 0
     swap_out_bytes_total: int = 0
@@ -223,7 +256,20 @@ def decode(data: bytes) -> Any:
         raise ProtocolError("unknown message type")
     if cls is TokenBatch and isinstance(fields.get("updates"), list):
         fields["updates"] = [_build(TokenUpdate, u) for u in fields["updates"]]
+    nested = _NESTED_CHOICES.get(cls)
+    if nested is not None and isinstance(fields.get("choices"), list):
+        choices = fields["choices"]
+        if len(choices) > MAX_CHOICES_PER_PROMPT:
+            raise ProtocolError(
+                f"{cls.__name__} has {len(choices)} choices; at most {MAX_CHOICES_PER_PROMPT}"
+            )
+        fields["choices"] = [_build(nested, c) for c in choices]
     return _build(cls, fields)
+
+
+_NESTED_CHOICES: dict[type, type] = {
+    Generate: Choice, PrefillRequest: Choice, PrefillDone: ChoiceToken
+}
 
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}

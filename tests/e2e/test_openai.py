@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 
 import httpx
 import openai
@@ -105,6 +107,29 @@ def test_a_repeated_long_prompt_is_served_from_the_prefix_cache(server, client, 
         30,
         "the node's cache hits reaching /metrics",
     )
+
+
+def test_n_choices_equal_lone_requests_with_seed_plus_i_and_compute_the_prompt_once(
+    server, client, model_name
+):
+    prompt = f"Ticket {uuid.uuid4().hex}: the printer on floor three"  # no cached prefix
+    params = {"model": model_name, "max_tokens": 12, "temperature": 1.0, "seed": 2024}
+    computed = "pdserve_prompt_tokens_computed_total"
+    before = metric(server, computed)
+    out = client.completions.create(prompt=prompt, n=4, **params)
+    wait_until(
+        lambda: metric(server, computed) >= before + out.usage.prompt_tokens, 30,
+        "the prompt tokens computed reaching /metrics",
+    )
+    time.sleep(1.5)  # every node's next NodeStats: nothing more was computed
+    assert metric(server, computed) == before + out.usage.prompt_tokens
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    lone = [
+        client.completions.create(prompt=prompt, **{**params, "seed": 2024 + i}).choices[0].text
+        for i in range(4)
+    ]
+    assert texts == lone
+    assert len(set(texts)) > 1
 
 
 def test_sixteen_concurrent_streams_match_their_solo_text(server, model_name):
@@ -289,9 +314,9 @@ def test_a_parameter_that_is_not_implemented_is_a_bad_request_naming_it(client, 
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
             model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            extra_body={"functions": [{"name": "f", "parameters": {}}]},
         )
-    assert refused.value.param == "tools"
+    assert refused.value.param == "functions"
     neutral = client.completions.create(model=model_name, prompt="Hi", max_tokens=2,
                                         presence_penalty=0, frequency_penalty=0)
     assert neutral.choices[0].finish_reason == "length"

@@ -19,7 +19,15 @@ from engine.config import EngineConfig
 from node.config import NodeConfig
 from prefill_node.node import PrefillNode
 from tests.nodes.unlooped import capture_sends, unlooped_config
-from wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
+from wire.messages import (
+    Abort,
+    Choice,
+    Generate,
+    PrefillDone,
+    PrefillRequest,
+    RequestFailed,
+    TokenBatch,
+)
 
 PREFILL_ADDRESS = "tcp://127.0.0.1:3"
 DEADLINE_S = 60.0
@@ -166,3 +174,97 @@ def test_prompt_logprobs_come_from_the_prefill_node_with_the_first_token(nodes, 
         assert abs(got[1] - want.logprob) < 1e-4
     assert len(tokens_by_request(to_router)["s0"]) == 4
     assert_all_blocks_free(decode, prefill)
+
+
+def choices_for(sampling: dict, n: int, prefix: str) -> list[Choice]:
+    return [Choice(f"{prefix}{i}", {**sampling, "seed": sampling["seed"] + i}) for i in range(n)]
+
+
+def offline_choices(tiny_llama_dir, prompt: list[int], choices: list[Choice]) -> dict:
+    llm = LLM(str(tiny_llama_dir))
+    outputs = llm.generate([prompt] * len(choices), [SamplingParams(**c.sampling) for c in choices])
+    return {c.request_id: o.token_ids for c, o in zip(choices, outputs)}
+
+
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 10, "ignore_eos": True, "seed": 77}
+
+
+def test_n_choices_share_one_prefill_and_one_transfer(nodes, tiny_llama_dir):
+    decode, prefill = nodes
+    prompt = [(13 * j) % 400 + 3 for j in range(45)]  # 2 full blocks and a partial one
+    choices = choices_for(SEEDED, 4, "c")
+    expected = offline_choices(tiny_llama_dir, prompt, choices)
+    prefill_requests, prefill_dones = [], []
+    original_handle = prefill.handle
+
+    def counting_handle(message):
+        prefill_requests.append(message)
+        original_handle(message)
+
+    prefill.handle = counting_handle
+    original_decode_handle = decode.handle
+
+    def decode_handle(message):
+        if isinstance(message, PrefillDone):
+            prefill_dones.append(message)
+        original_decode_handle(message)
+
+    decode.handle = decode_handle
+    decode.handle(
+        Generate("p", prompt, choices[0].sampling, prefill_address=PREFILL_ADDRESS, choices=choices)
+    )
+    to_router = run_until_idle(decode, prefill)
+    assert not [m for m in to_router if isinstance(m, RequestFailed)]
+    assert tokens_by_request(to_router) == expected
+    assert len(prefill_requests) == 1 and len(prefill_dones) == 1
+    assert [c.request_id for c in prefill_dones[0].choices] == list(expected)
+    bytes_per_block = prefill.engine.runner.kv_cache.spec.bytes_per_block
+    assert prefill.transfer_bytes == 3 * bytes_per_block  # the prompt's blocks, once
+    assert prefill.engine.num_prompt_tokens_computed == len(prompt)
+    assert decode.engine.num_prompt_tokens_computed == 0
+    assert decode.engine.block_manager.num_copied_blocks == 3  # the partial block, copied
+    assert decode.stats().prompt_tokens_computed_total == 0
+    assert prefill.stats().prompt_tokens_computed_total == len(prompt)
+    assert_all_blocks_free(decode, prefill)
+
+
+def test_aborting_one_choice_leaves_the_others_on_both_nodes(nodes, tiny_llama_dir):
+    decode, prefill = nodes
+    prompt = [(17 * j) % 400 + 3 for j in range(70)]  # three chunks of the prefill node's 32
+    choices = choices_for(SEEDED, 3, "a")
+    expected = offline_choices(tiny_llama_dir, prompt, choices)
+    decode.handle(
+        Generate("q", prompt, choices[0].sampling, prefill_address=PREFILL_ADDRESS, choices=choices)
+    )
+    for node in (decode, prefill):  # before the prefill node has it: both drop the choice
+        node.handle(Abort("a1"))
+    to_router = run_until_idle(decode, prefill)
+    tokens = tokens_by_request(to_router)
+    assert tokens == {"a0": expected["a0"], "a2": expected["a2"]}
+    assert_all_blocks_free(decode, prefill)
+
+    decode.handle(
+        Generate("r", prompt, choices[0].sampling, prefill_address=PREFILL_ADDRESS, choices=choices)
+    )
+    for choice in choices:  # every choice: the whole request goes
+        for node in (decode, prefill):
+            node.handle(Abort(choice.request_id))
+    assert not decode.pending and not decode.prompt_of
+    run_until_idle(decode, prefill)
+    assert_all_blocks_free(decode, prefill)
+
+
+def test_n_choices_served_colocated_equal_lone_requests(nodes, tiny_llama_dir):
+    decode, _ = nodes
+    prompt = [(19 * j) % 400 + 3 for j in range(29)]
+    choices = choices_for(SEEDED, 3, "l")
+    expected = offline_choices(tiny_llama_dir, prompt, choices)
+    decode.handle(Generate("l", prompt, choices[0].sampling, choices=choices))
+    to_router = []
+    while decode.busy():
+        decode.work()
+        to_router += decode.sent
+        decode.sent.clear()
+    assert tokens_by_request(to_router) == expected
+    assert decode.engine.num_prompt_tokens_computed == len(prompt)
+    assert_all_blocks_free(decode)

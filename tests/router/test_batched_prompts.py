@@ -141,6 +141,11 @@ def test_batched_prompts_answer_prompt_times_n_plus_i_with_summed_usage(
         assert by_id[str(i)].sampling["seed"] == 40 + i % 2  # as each prompt's own request
     assert data["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
     assert data["usage"]["completion_tokens"] == 2 * sum(len(echoed(tokenizer, p)) for p in prompts)
+    assert len(node.messages) == 3  # one Generate per prompt, carrying its two choices
+    for p, message in enumerate(node.messages):
+        assert message.prompt_token_ids == prompts[p]
+        assert [c.request_id.rsplit("-", 1)[1] for c in message.choices] == [str(2 * p), str(2 * p + 1)]
+        assert message.request_id not in {c.request_id for c in message.choices}
 
 
 def test_streamed_batched_token_prompts_carry_every_index(tmp_path, tokenizer, echo):
@@ -189,7 +194,7 @@ def test_admission_and_the_queue_delay_count_every_prompt_of_a_batch(tokenizer):
 
     held, queued = asyncio.run(run())
     assert held == (4, 2 * 3 + 2 * 10)
-    assert queued == 2 * 3 + 2 * 10
+    assert queued == 3 + 10  # each prompt is computed once for its two choices
     assert (admission.num_requests, admission.num_tokens) == (0, 0)
     config.max_queued_tokens = 2 * 3 + 2 * 10 - 1
     admission.admit(1, 1)

@@ -81,34 +81,40 @@ def make_app(tokenizer, tmp_path, stats: NodeStats | None = None):
 
 
 class FakeNode:
-    """Stands in for `NodeClient.submit` and `abort`: each sub-request gets REPLY's tokens
-    (in two updates) soon after it is submitted; submit number `fail_at` raises `error`."""
+    """Stands in for `NodeClient.submit_choices` and `abort`: each choice gets REPLY's tokens
+    (in two updates) soon after its prompt is submitted; submit call number `fail_at` (one
+    call per prompt) raises `error`."""
 
     def __init__(self, tokenizer, fail_at: int | None = None, error: Exception | None = None):
         self.reply_ids = list(tokenizer.encode(REPLY))
         self.fail_at = fail_at
         self.error = error
+        self.num_calls = 0
         self.submitted: list[str] = []
         self.aborted: list[str] = []
 
     def install(self, app) -> FakeNode:
         client = app.state.router.client
-        client.submit = self.submit
+        client.submit_choices = self.submit_choices
         client.abort = self.aborted.append
         return self
 
-    def submit(self, request_id, prompt_ids, sampling, queue=None, priority=0):
-        if len(self.submitted) == self.fail_at:
+    def submit_choices(self, prompt_id, prompt_ids, choices, queue=None, priority=0):
+        if self.num_calls == self.fail_at:
             raise self.error
-        self.submitted.append(request_id)
-        half = len(self.reply_ids) // 2
-        updates = [
-            TokenUpdate(request_id, self.reply_ids[:half], None, len(prompt_ids)),
-            TokenUpdate(request_id, self.reply_ids[half:], "length", len(prompt_ids), offset=half),
-        ]
+        self.num_calls += 1
         loop = asyncio.get_running_loop()
-        for update in updates:
-            loop.call_soon(queue.put_nowait, update)
+        half = len(self.reply_ids) // 2
+        for request_id, _ in choices:
+            self.submitted.append(request_id)
+            updates = [
+                TokenUpdate(request_id, self.reply_ids[:half], None, len(prompt_ids)),
+                TokenUpdate(
+                    request_id, self.reply_ids[half:], "length", len(prompt_ids), offset=half
+                ),
+            ]
+            for update in updates:
+                loop.call_soon(queue.put_nowait, update)
         return queue
 
 
@@ -131,8 +137,9 @@ def error_count(app, kind: str) -> float:
     return float(value)
 
 
-def completion_body(stream: bool, n: int = 1) -> dict:
-    return {"model": MODEL, "prompt": "hi", "max_tokens": 8, "n": n, "stream": stream}
+def completion_body(stream: bool, n: int = 1, prompts: int = 1) -> dict:
+    prompt = "hi" if prompts == 1 else ["hi"] * prompts
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": n, "stream": stream}
 
 
 def sse_payloads(text: str) -> list:
@@ -145,7 +152,7 @@ def sse_payloads(text: str) -> list:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("prompts", [1, 2])
 @pytest.mark.parametrize(
     "error, status, kind",
     [
@@ -156,21 +163,21 @@ def sse_payloads(text: str) -> list:
     ids=["overflow", "value", "key"],
 )
 def test_a_submit_that_raises_gives_back_every_admission_place(
-    tokenizer, tmp_path, stream, n, error, status, kind
+    tokenizer, tmp_path, stream, prompts, error, status, kind
 ):
     app = make_app(tokenizer, tmp_path, node_stats())
-    node = FakeNode(tokenizer, fail_at=n - 1, error=error).install(app)
+    node = FakeNode(tokenizer, fail_at=prompts - 1, error=error).install(app)
 
     async def scenario(http):
-        return await http.post("/v1/completions", json=completion_body(stream, n))
+        return await http.post("/v1/completions", json=completion_body(stream, 2, prompts))
 
     reply = run_async(app, scenario)
     assert reply.status_code == status, reply.text
     assert reply.headers["content-type"] == "application/json"
     assert reply.json()["error"]["type"] == kind
     assert admission_counts(app) == (0, 0)
-    assert node.aborted == node.submitted  # the choice sent before the failure is aborted
-    assert len(node.submitted) == n - 1
+    assert node.aborted == node.submitted  # the prompt sent before the failure is aborted
+    assert len(node.submitted) == 2 * (prompts - 1)  # its two choices
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])

@@ -27,6 +27,16 @@ MODEL = "tiny"
 REPLY = "hello world, again"
 
 
+def one_per_choice(message: Generate) -> list[Generate]:
+    """A Generate as the lone requests of its choices (itself, without choices)."""
+    if not message.choices:
+        return [message]
+    return [
+        Generate(c.request_id, message.prompt_token_ids, c.sampling, priority=message.priority)
+        for c in message.choices
+    ]
+
+
 class ScriptedNode:
     """Answers every Generate with REPLY's tokens, one per batch, unless aborted."""
 
@@ -37,7 +47,8 @@ class ScriptedNode:
         self.pull.bind(listen)
         self.push = self.context.socket(zmq.PUSH)
         self.push.connect(router)
-        self.generates: list[Generate] = []
+        self.messages: list[Generate] = []  # as sent: a prompt's n choices in one
+        self.generates: list[Generate] = []  # one per choice, as a lone request's
         self.aborted: set[str] = set()
         self.delay = 0.005
 
@@ -49,8 +60,10 @@ class ScriptedNode:
             if isinstance(message, Abort):
                 self.aborted.add(message.request_id)
             elif isinstance(message, Generate):
-                self.generates.append(message)
-                asyncio.create_task(self.reply(message))
+                self.messages.append(message)
+                for generate in one_per_choice(message):
+                    self.generates.append(generate)
+                    asyncio.create_task(self.reply(generate))
 
     async def reply(self, message: Generate) -> None:
         ids = self.tokenizer.encode(REPLY)[: message.sampling["max_tokens"]]

@@ -95,7 +95,7 @@ BAD_TOKENIZE = [
     ({"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
     ({"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens"),
     ({"messages": MESSAGES, "chat_template": "{{ x }}"}, 400, "chat_template"),
-    ({"messages": [{"role": "tool", "content": "1"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "1"}]}, 400, "messages[0].role"),
     ({"prompt": "x" * 3000}, 400, "prompt"),  # more characters than 64 tokens can hold
     ({"prompt": "x" * 5000}, 413, None),
     ({"prompt": TEXT, "return_token_strs": "yes"}, 400, "return_token_strs"),

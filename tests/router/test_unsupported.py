@@ -42,20 +42,11 @@ def post(client, route, **fields):
 
 
 REFUSED = [
-    ("tools", [TOOL]),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", {"name": "f"}),
-    ("response_format", {"type": "json_object"}),
     ("length_penalty", 0.5),
     ("best_of", 3),
     ("suffix", " the end"),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["yes", "no"]),
-    ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"regex": "a"}),
     ("use_beam_search", True),
     ("add_generation_prompt", False),
 ]
@@ -133,8 +124,12 @@ def test_best_of_equal_to_n_is_accepted_and_other_values_are_refused(client):
     assert post(client, COMPLETION, n=2, best_of=1).json()["error"]["param"] == "best_of"
 
 
-def test_tool_choice_auto_with_tools_is_refused_naming_tools(client):
-    assert post(client, CHAT, tools=[TOOL], tool_choice="auto").json()["error"]["param"] == "tools"
+def test_tools_and_structured_output_are_implemented(client):
+    for name in ("tools", "tool_choice", "response_format", "guided_json", "structured_outputs"):
+        assert name not in NOT_IMPLEMENTED
+    assert post(client, CHAT, tools=[TOOL], tool_choice="auto").status_code == 503
+    assert post(client, CHAT, tools=[TOOL], tool_choice="required").status_code == 503
+    assert post(client, COMPLETION, guided_regex="[a-z]+").status_code == 503
 
 
 def test_every_table_entry_accepts_null_and_refuses_a_changed_value():
@@ -144,16 +139,14 @@ def test_every_table_entry_accepts_null_and_refuses_a_changed_value():
 
 
 HISTORY_CASES = [
-    ({"role": "tool", "content": "42", "tool_call_id": "c1"}, "messages[2].role"),
     ({"role": "function", "content": "42", "name": "f"}, "messages[2].role"),
-    ({"role": "assistant", "content": None, "tool_calls": [CALL]}, "messages[2].tool_calls"),
     ({"role": "assistant", "content": None, "function_call": {"name": "f"}},
      "messages[2].function_call"),
 ]
 
 
 @pytest.mark.parametrize(("message", "param"), HISTORY_CASES)
-def test_tool_calls_in_the_chat_history_are_400_naming_the_message(client, message, param):
+def test_legacy_function_calls_in_the_history_are_400_naming_the_message(client, message, param):
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, message]
     r = post(client, CHAT, messages=messages)
     assert r.status_code == 400, r.text
@@ -162,11 +155,12 @@ def test_tool_calls_in_the_chat_history_are_400_naming_the_message(client, messa
     assert "not supported" in error["message"]
 
 
-def test_assistant_message_with_empty_tool_calls_is_accepted(client):
+def test_tool_calls_and_tool_messages_in_the_history_are_accepted(client):
     messages = [
         {"role": "user", "content": "u"},
         {"role": "assistant", "content": "a", "tool_calls": []},
-        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
     assert post(client, CHAT, messages=messages).status_code == 503
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from wire.limits import MAX_CHOICES_PER_PROMPT
 from wire.messages import (
     Abort,
+    Choice,
+    ChoiceToken,
     Generate,
     NodeStats,
+    PrefillDone,
     ProtocolError,
     RequestFailed,
     TokenBatch,
@@ -76,3 +80,19 @@ def test_the_longest_scored_prompt_with_twenty_alternatives_fits_one_message():
     longest = len(message(0)) + header_growth + per_position * (MAX_PROMPT_LOGPROBS_TOKENS - 1)
     assert longest <= MAX_MESSAGE_BYTES
     assert decode(message(3)).updates[0].prompt_logprobs[-1] == worst
+
+
+def test_choices_round_trip_typed_and_bounded():
+    choices = [Choice(f"c{i}", {"seed": 5 + i, "max_tokens": 4}) for i in range(3)]
+    generate = decode(encode(Generate("p", [1, 2], choices[0].sampling, choices=choices)))
+    assert generate.choices == choices and isinstance(generate.choices[0], Choice)
+    done = decode(encode(PrefillDone("p", -1, choices=[ChoiceToken("c0", 9, None)])))
+    assert done.choices == [ChoiceToken("c0", 9, None)]
+    assert decode(encode(Generate("r", [1], {}))).choices == []  # one choice: as before
+    too_many = [Choice(f"c{i}", {}) for i in range(MAX_CHOICES_PER_PROMPT + 1)]
+    with pytest.raises(ProtocolError, match="choices"):
+        decode(encode(Generate("p", [1], {}, choices=too_many)))
+    bad = msgpack.packb({"type": "generate", "request_id": "p", "prompt_token_ids": [1],
+                         "sampling": {}, "choices": [{"request_id": 7, "sampling": {}}]})
+    with pytest.raises(ProtocolError):
+        decode(bad)
