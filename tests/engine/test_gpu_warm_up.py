@@ -107,7 +107,7 @@ def test_on_cuda_warm_up_by_default_runs_every_variant_and_waits_for_the_device(
 
     def fake_execute(step):
         events.append(f"execute {[s.num_new_tokens for s in step.scheduled]}")
-        return [(s, SampleResult(7, None)) for s in step.scheduled if s.completes_prompt]
+        return [(s.seq, SampleResult(7, None)) for s in step.scheduled if s.completes_prompt]
 
     monkeypatch.setattr(engine.runner, "device", torch.device("cuda"))
     monkeypatch.setattr(engine.runner, "execute", fake_execute)
