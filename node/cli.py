@@ -39,6 +39,8 @@ _ENGINE_OPTIONS = (
     "prefix_cache_min_blocks",
     "attention_backend",
     "load_format",
+    "dtype",
+    "seed",
     "device",
     "gpu_memory_utilization",
     "processes_on_device",
@@ -57,6 +59,15 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--load-format", default=None, choices=LOAD_FORMATS,
         help="auto (default: the folder's *.safetensors) or dummy (random weights from "
         "config.json alone, for measuring a model's shapes without its weights)",
+    )
+    parser.add_argument(
+        "--dtype", default=None,
+        help="auto (default: fp32 on the CPU; the config's 16-bit dtype, else bf16, on CUDA), "
+        "bfloat16, float16 or float32",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None,
+        help="seeds the sampler of requests without a seed, and dummy weights (default 0)",
     )
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--listen", required=True, help="zmq address to bind, e.g. tcp://...")

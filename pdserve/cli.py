@@ -1,9 +1,9 @@
 """The `pdserve` command.
 
-  pdserve download            fetch and convert the default model (idempotent)
+  pdserve download [MODEL]    fetch (and convert) the default model or a Hub id (idempotent)
   pdserve generate PROMPT...  one-shot greedy generation, printed as it streams
   pdserve chat                interactive chat with the model's chat template
-  pdserve serve               the OpenAI-compatible HTTP server (router + colocated node)
+  pdserve serve [MODEL]       the OpenAI-compatible HTTP server (router + nodes)
   pdserve bench serve         load-test an OpenAI-compatible server (python -m bench.serve)
   pdserve colocated|prefill|decode [flags]
                               one node that joins a router elsewhere (python -m <role>_node)
@@ -15,186 +15,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from pdserve.serve_flags import add_engine_flags, add_serve_flags, check_serve_flags
+
 NODE_ROLES = ("colocated", "prefill", "decode")
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    _device_args(parser)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    _prefix_cache_args(parser, default_min_blocks=2)
-
-
-def _device_args(parser: argparse.ArgumentParser) -> None:
-    """How a node uses its device (EngineConfig's attention_backend, cuda_graphs and
-    gpu_memory_utilization); None leaves the engine's default."""
-    parser.add_argument(
-        "--attention-backend",
-        default=None,
-        help="auto (default: triton on CUDA, torch on the CPU), torch or triton",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="no CUDA graphs (default: decode steps replay them on CUDA with triton attention)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        metavar="FRACTION",
-        help="fraction of each GPU's memory that the node processes on it hold together, in "
-        "equal shares (default 0.9)",
-    )
-
-
-def _check_device_args(args: argparse.Namespace) -> None:
-    utilization = args.gpu_memory_utilization
-    if utilization is not None and not 0.0 < utilization <= 1.0:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
-
-
-def _scheduling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--preemption-mode",
-        choices=("auto", "recompute", "swap"),
-        default=None,
-        help="cure for preempted requests (default auto: the cheaper by measured cost)",
-    )
-    parser.add_argument(
-        "--swap-space", type=float, default=None, metavar="GIB",
-        help="host memory per node for swapped-out KV (default 4 GiB; 0 disables swapping)",
-    )
-    parser.add_argument(
-        "--admission",
-        choices=("optimistic", "worst-case", "predicted"),
-        default=None,
-        help="KV reserved at admission (default optimistic: the next chunk only)",
-    )
-    parser.add_argument(
-        "--admission-quantile", type=float, default=None,
-        help="quantile of observed output lengths reserved by predicted admission (0.9)",
-    )
-    parser.add_argument(
-        "--priority-aging-seconds", dest="priority_aging_s", type=float, default=None,
-        help="seconds of waiting worth one priority level (default 10; 0: strict)",
-    )
-
-
-def _prefix_cache_args(parser: argparse.ArgumentParser, default_min_blocks: int | None) -> None:
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt prefixes seen before (default: on)",
-    )
-    parser.add_argument(
-        "--prefix-cache-min-blocks",
-        type=int,
-        default=default_min_blocks,
-        help="shortest run of full KV blocks the prefix cache keeps (default: 2)",
-    )
-
-
-def _failure_args(parser: argparse.ArgumentParser) -> None:
-    """Deadlines of failure handling (docs/failure-handling.md)."""
-    parser.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=0.5,
-        metavar="S",
-        help="how often each node tells the router it is alive (default 0.5)",
-    )
-    parser.add_argument(
-        "--node-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="a node is dead after this long without a heartbeat (default: 2 intervals)",
-    )
-    parser.add_argument(
-        "--transfer-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a KV transfer's deadline, from its first block's write, and the deadline of "
-        "the first token after the KV arrived (default 30)",
-    )
-    parser.add_argument(
-        "--queue-timeout",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="how long a request may wait on a decode node for free KV blocks, and then for "
-        "its prefill node to start on it (default 120; the router's --max-queue-delay "
-        "refuses work long before)",
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="on SIGTERM, how long requests in flight may still run (default 30)",
-    )
-    parser.add_argument(
-        "--restart-nodes",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="restart a node process that exits (default: on)",
-    )
-
-
-def _router_limit_args(parser: argparse.ArgumentParser) -> None:
-    """The router's queue and stream bounds (defaults: the router's own)."""
-    parser.add_argument(
-        "--max-queued-requests",
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="requests admitted and not started yet before new ones get 429 (default 1024)",
-    )
-    parser.add_argument(
-        "--max-queued-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="prompt tokens of those requests before new ones get 429 (default 1048576)",
-    )
-    parser.add_argument(
-        "--max-queue-delay",
-        type=float,
-        default=None,
-        metavar="S",
-        help="a request that would wait longer than this for its prefill (queued prompt "
-        "tokens / measured prefill speed, or the age of the oldest request still waiting) "
-        "gets 429 at once (default 30)",
-    )
-    parser.add_argument(
-        "--stream-stall-timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="a stream whose client reads nothing for this long is aborted (default 30)",
-    )
-    parser.add_argument(
-        "--max-stream-buffer-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="tokens held for a client that reads slower than the model writes; past it "
-        "the request is aborted (default 8192)",
-    )
-
 
 def _make_llm(args: argparse.Namespace):
     from engine import LLM
@@ -236,9 +61,19 @@ def _print_stream(pieces) -> str:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from model_store.default_model import ensure_default_model
+    if args.model is None:
+        from model_store.default_model import ensure_default_model
 
-    print(ensure_default_model())
+        print(ensure_default_model())
+        return 0
+    from model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
+
+    if not is_hub_id(args.model):
+        raise ValueError(f"{args.model!r} is not a Hugging Face Hub id (org/name)")
+    try:
+        print(download_hub_model(args.model, args.revision, args.download_dir))
+    except HubModelUnavailable as error:
+        raise ValueError(str(error)) from None
     return 0
 
 
@@ -271,20 +106,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.launcher import check_cluster_settings, serve
 
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError("--prefill and --decode need at least one node each")
-    for name in ("heartbeat_interval", "transfer_timeout", "queue_timeout"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if args.node_timeout is not None and args.node_timeout <= args.heartbeat_interval:
-        raise ValueError(
-            f"--node-timeout {args.node_timeout:g} must exceed --heartbeat-interval "
-            f"{args.heartbeat_interval:g}"
-        )
-    if args.drain_timeout < 0:
-        raise ValueError("--drain-timeout must be 0 or more")
-    _check_device_args(args)
-    check_cluster_settings(args)
+    try:
+        check_serve_flags(args)
+        check_cluster_settings(args)
+        if args.chat_template is not None:
+            from text.tokenizer import read_chat_template
+
+            read_chat_template(args.chat_template)
+    except ValueError as error:
+        args.parser.error(str(error))
     return serve(args)
 
 
@@ -326,58 +156,26 @@ def cmd_node(role: str, node_args: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("download", help="fetch and convert the default model").set_defaults(
-        run=cmd_download
+    download = sub.add_parser("download", help="fetch the default model or a Hub id")
+    download.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL",
+        help="a Hugging Face Hub id (org/name); default: the default model",
     )
+    download.add_argument("--revision", default=None, help="branch, tag or commit (main)")
+    download.add_argument(
+        "--download-dir", default=None, metavar="DIR", help="the Hugging Face cache to fill"
+    )
+    download.set_defaults(run=cmd_download, parser=download)
     generate = sub.add_parser("generate", help="one-shot generation")
     generate.add_argument("prompt", nargs="+")
-    _engine_args(generate)
-    generate.set_defaults(run=cmd_generate)
+    add_engine_flags(generate)
+    generate.set_defaults(run=cmd_generate, parser=generate)
     chat = sub.add_parser("chat", help="interactive chat")
-    _engine_args(chat)
-    chat.set_defaults(run=cmd_chat)
+    add_engine_flags(chat)
+    chat.set_defaults(run=cmd_chat, parser=chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--colocated", action="store_true", help="prefill and decode in one node")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill nodes (default 1)")
-    serve.add_argument("--decode", type=int, default=1, help="decode nodes (default 1)")
-    serve.add_argument("--threads-per-node", type=int, default=None, help="CPU threads each")
-    serve.add_argument(
-        "--router-listen", default=None, help="the router's ZeroMQ address for node messages"
-    )
-    serve.add_argument(
-        "--kv-transport",
-        default="auto",
-        choices=("auto", "shm", "zmq", "cuda_ipc"),
-        help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm)",
-    )
-    serve.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
-    serve.add_argument(
-        "--load-format",
-        default=None,
-        choices=("auto", "dummy"),
-        help="auto (default: the folder's *.safetensors) or dummy (random weights from "
-        "config.json; the router still needs the folder's tokenizer)",
-    )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
-    _device_args(serve)
-    _prefix_cache_args(serve, default_min_blocks=None)
-    _scheduling_args(serve)
-    serve.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    serve.add_argument(
-        "--cluster-secret",
-        default=os.environ.get("PDSERVE_CLUSTER_SECRET") or None,
-        metavar="SECRET",
-        help="secures the ZeroMQ links between router and nodes (default: "
-        "$PDSERVE_CLUSTER_SECRET, else a random one for this run's own processes)",
-    )
-    _failure_args(serve)
-    _router_limit_args(serve)
-    serve.set_defaults(run=cmd_serve)
+    add_serve_flags(serve)
+    serve.set_defaults(run=cmd_serve, parser=serve)
     plan = sub.add_parser("plan", help="KV cache size and maximum concurrency for a model")
     plan.add_argument("--model", required=True, help="a model folder or a known name")
     plan.add_argument("--dtype", default="bf16", help="KV and weight dtype (default bf16)")
@@ -386,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-lens", default="1024,8192,32768", help="tokens per sequence")
     plan.add_argument("--block-size", type=int, default=16)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
-    plan.set_defaults(run=cmd_plan)
+    plan.set_defaults(run=cmd_plan, parser=plan)
     sub.add_parser(
         "bench", help="serve: load-test any OpenAI-compatible server", add_help=False
     ).add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -406,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     if argv and argv[0] in NODE_ROLES:  # every later flag belongs to the node
         return cmd_node(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # with the subcommand's usage, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except ValueError as error:

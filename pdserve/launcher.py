@@ -41,12 +41,17 @@ import secrets
 import signal
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from pdserve.child_logs import ChildLogs
+from pdserve.model_source import ServedModel, check_model_folder, resolve_served_model
+from pdserve.serve_flags import ROUTER_LOG_FLAGS, ROUTER_LOG_SWITCHES
 from pdserve.supervisor import Deployment
 
 READY_TIMEOUT_S = 600.0
@@ -75,6 +80,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "prefix_cache_min_blocks",
         "attention_backend",
         "load_format",
+        "dtype",
+        "seed",
         "gpu_memory_utilization",
         "preemption_mode",
         "swap_space",
@@ -224,17 +231,47 @@ def _gpu_count() -> int:
         return 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Starts the nodes and the router; runs until interrupted; returns the exit status."""
-    model = served_name = args.model
-    if model is None:
-        from model_store.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+def _failed_start(deployment: Deployment, error: RuntimeError) -> str:
+    """One line: the first child that exited and its last line, or why start-up failed."""
+    child = deployment.first_exited()
+    logs = deployment.child_logs
+    if child is None or logs is None:
+        where = f" (process logs in {logs.folder})" if logs is not None else ""
+        return f"pdserve: {error}{where}"
+    return logs.failed_start_line(child.name, child.process.returncode)
 
-        model, served_name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+
+def router_flags(args: argparse.Namespace, served: ServedModel) -> list[str]:
+    """The router's flags that come from `pdserve serve`'s, but for addresses and nodes."""
+    flags = ["--model", str(served.folder), "--served-model-name", *served.names]
+    if args.chat_template is not None:
+        flags += ["--chat-template", args.chat_template]
+    if args.api_key:
+        flags += ["--api-key", args.api_key]
+    for name in (*ROUTER_LIMITS, *ROUTER_LOG_FLAGS):  # router/config.py, router/log_format.py
+        if getattr(args, name, None) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    flags += [f"--{name.replace('_', '-')}" for name in ROUTER_LOG_SWITCHES if getattr(args, name)]
+    return flags
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Finds and checks the model, starts the nodes and the router; runs until interrupted;
+    returns the exit status (2: the model cannot be served)."""
+    served = resolve_served_model(
+        args.model, args.served_model_name, args.revision, args.download_dir
+    )
+    check_model_folder(served.folder, args.load_format)
+    model = str(served.folder)
     router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"
     nodes = plan_nodes(args, model, router_address)
     secret_env = {"PDSERVE_CLUSTER_SECRET": args.cluster_secret or secrets.token_urlsafe(32)}
-    deployment = Deployment(restart_nodes=args.restart_nodes)
+    logs = None
+    if not args.verbose:
+        logs = ChildLogs(Path(tempfile.mkdtemp(prefix=f"pdserve-{args.port}-logs-")))
+        print(f"pdserve: process logs in {logs.folder} (--verbose: here)", flush=True)
+    deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs)
+    ready = False
     node_timeout = args.node_timeout or 2 * args.heartbeat_interval
     stopping: list[int] = []
 
@@ -249,10 +286,7 @@ def serve(args: argparse.Namespace) -> int:
             sys.executable,
             "-m",
             "router",
-            "--model",
-            model,
-            "--served-model-name",
-            served_name,
+            *router_flags(args, served),
             "--listen",
             router_address,
             "--host",
@@ -266,16 +300,21 @@ def serve(args: argparse.Namespace) -> int:
         ]
         for node in nodes:
             router_argv += ["--node", f"{node.name}={node.address}"]
-        if args.api_key:
-            router_argv += ["--api-key", args.api_key]
-        for name in ROUTER_LIMITS:  # queue and stream bounds (router/config.py)
-            if getattr(args, name, None) is not None:
-                router_argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         deployment.start("router", router_argv, secret_env, is_node=False)
         url = f"http://{args.host}:{args.port}"
-        wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
+        try:
+            wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
+        except RuntimeError as error:
+            print(_failed_start(deployment, error), file=sys.stderr, flush=True)
+            return 1
+        if logs is not None:
+            logs.skip_written()
+        ready = True
         layout = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
-        print(f"pdserve is serving {model} at {url}/v1 ({layout})", flush=True)
+        print(
+            f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout})",
+            flush=True,
+        )
         secret = "the same --cluster-secret" if args.cluster_secret else (
             "a --cluster-secret this deployment shares (it made its own: give one to share)"
         )
@@ -283,6 +322,8 @@ def serve(args: argparse.Namespace) -> int:
               flush=True)
         while not stopping:
             problem = deployment.watch()
+            if logs is not None:
+                logs.echo_new()
             if problem is not None:
                 print(f"pdserve: {problem}; stopping", file=sys.stderr)
                 return 1
@@ -293,5 +334,7 @@ def serve(args: argparse.Namespace) -> int:
         if drain:
             print(f"pdserve: draining (at most {args.drain_timeout:g} s)", file=sys.stderr)
         deployment.stop(args.drain_timeout if drain else None, lambda: len(stopping) > 1)
+        if logs is not None and ready:
+            logs.echo_new()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.child_logs import ChildLogs
+
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
 ROUTER_SHUTDOWN_S = 10.0
@@ -75,6 +77,8 @@ class Deployment:
     restart_nodes: bool = True
     before_exec: Callable[[], None] | None = field(default_factory=_parent_death_signal)
     log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
+    # Where children write their output (pdserve/child_logs.py); None: the launcher's own.
+    child_logs: ChildLogs | None = None
 
     def start(
         self, name: str, argv: list[str], env: dict[str, str] | None = None, is_node: bool = True
@@ -84,8 +88,17 @@ class Deployment:
         self._spawn(child)
 
     def _spawn(self, child: Child) -> None:
-        hook = self.before_exec
-        child.process = subprocess.Popen(child.argv, env=child.env, preexec_fn=hook)  # noqa: PLW1509
+        hook, logs = self.before_exec, self.child_logs
+        output = logs.open_for_child(child.name) if logs is not None else None
+        stderr = subprocess.STDOUT if output is not None else None
+        try:
+            child.process = subprocess.Popen(
+                child.argv, env=child.env, stdout=output, stderr=stderr,
+                preexec_fn=hook,  # noqa: PLW1509
+            )
+        finally:
+            if output is not None:
+                output.close()  # the child holds its own handle
         child.started_at = time.monotonic()
         child.restart_at = None
 

@@ -4,6 +4,8 @@ Runs the app on uvicorn with uvloop and prints one line, "pdserve router listeni
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
 OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining. The
 cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here, once.
+Logging (`--log-level`, `--log-format text|json`, `--uvicorn-log-level`) is set up here, once,
+for the whole process (router/log_format.py); uvicorn's loggers write through the same handler.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import logging
 import os
 import sys
 from typing import Any
@@ -23,6 +24,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from router.app import create_app
 from router.config import RouterConfig
 from router.drain import DrainingServer
+from router.log_format import LOG_FORMATS, LOG_LEVELS, LogSettings
+from text.tokenizer import read_chat_template
 from wire.cluster_auth import SECRET_ENV, ClusterAuth
 
 # Connections: one idle between requests (or since it opened) is closed after
@@ -117,7 +120,7 @@ class RequestDeadlineH11Protocol(H11Protocol):
 def uvicorn_config(
     app: Any,
     config: RouterConfig,
-    log_level: str = "warning",
+    log_level: str = "warning",  # uvicorn's own loggers
     keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S,
     head_timeout_s: float = REQUEST_HEAD_TIMEOUT_S,
     body_timeout_s: float = REQUEST_BODY_TIMEOUT_S,
@@ -127,6 +130,7 @@ def uvicorn_config(
         host=config.host,
         port=config.port,
         log_level=log_level,
+        log_config=None,  # its loggers propagate to the process's handler (LogSettings)
         loop="uvloop",
         lifespan="on",
         timeout_graceful_shutdown=5,
@@ -140,10 +144,23 @@ def uvicorn_config(
     )
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
+def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, LogSettings]:
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="model folder (for the tokenizer)")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names requests may send as `model`; /v1/models lists the first (default: the "
+        "model path as given)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template, or a file holding one, instead of the model's",
+    )
     parser.add_argument(
         "--node",
         action="append",
@@ -219,15 +236,38 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
         help=f"shared with every node (default: ${SECRET_ENV}); needed when --listen or a "
         "--node address is not a loopback one",
     )
-    parser.add_argument("--log-level", default="warning")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no access line per request (vLLM's spelling)",
     )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line per node (vLLM's spelling)",
+    )
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text, or json: one object per line with ts, level, logger, message (default text)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="uvicorn's own loggers; at info they add uvicorn's access lines (default warning)",
+    )
+    args = parser.parse_args(argv)
+    names = args.served_model_name or [None]
     try:
         config = RouterConfig(
             model_path=args.model,
-            served_model_name=args.served_model_name,
+            served_model_name=names[0],
+            served_model_aliases=tuple(names[1:]),
+            chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
             host=args.host,
             port=args.port,
             node_addresses=args.nodes,
@@ -242,16 +282,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, str]:
             node_timeout_s=args.node_timeout,
             drain_timeout_s=args.drain_timeout,
             cluster_auth=ClusterAuth.from_secret(args.cluster_secret),
+            log_requests=not args.disable_log_requests,
+            log_stats=not args.disable_log_stats,
         )
     except ValueError as error:
         parser.error(str(error))
-    return config, args.log_level
+    return config, LogSettings(args.log_level, args.log_format, args.uvicorn_log_level)
 
 
-async def serve(config: RouterConfig, log_level: str = "warning") -> None:
+async def serve(config: RouterConfig, log: LogSettings) -> None:
     app = create_app(config)
     server = DrainingServer(
-        uvicorn_config(app, config, log_level), app.state.router, config.drain_timeout_s
+        uvicorn_config(app, config, log.uvicorn_level), app.state.router, config.drain_timeout_s
     )
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -269,11 +311,12 @@ async def serve(config: RouterConfig, log_level: str = "warning") -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, log_level = parse_args(argv)
+    config, log = parse_args(argv)
+    log.apply()
     import uvloop
 
     try:
-        uvloop.run(serve(config, log_level))
+        uvloop.run(serve(config, log))
     except KeyboardInterrupt:  # SIGINT: uvicorn has shut down and re-raised it
         pass
 

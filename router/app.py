@@ -5,7 +5,8 @@ Routes (handlers in router/routes.py and router/tokenization.py): POST /v1/compl
 POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model_id}, POST /tokenize,
 POST /detokenize, GET /health, GET /metrics.
 
-Every request runs behind `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
+Every request runs behind `access_log.AccessLog` (its request id, `x-request-id`, and its
+access line) and, inside it, `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
 on a connection that stays usable, and a generation is closed (its admission places and node
 sub-requests given back) when its request ends, however it ends. Inside it runs the API-key
 check (router/auth.py).
@@ -20,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from router import routes, tokenization
+from router.access_log import AccessLog
 from router.auth import APIKeyMiddleware
 from router.config import RouterConfig
 from router.errors import RequestGuard, install_error_handlers
@@ -44,7 +46,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     app.state.router = state
     install_error_handlers(app, on_error=state.metrics.error)
     app.add_middleware(APIKeyMiddleware, api_key=config.api_key, on_error=state.metrics.error)
-    app.add_middleware(RequestGuard, on_error=state.metrics.error)  # added last: outermost
+    app.add_middleware(RequestGuard, on_error=state.metrics.error)
+    app.add_middleware(AccessLog, enabled=config.log_requests)  # added last: outermost
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])

@@ -23,6 +23,11 @@ class RouterConfig:
 
     model_path: str | Path
     served_model_name: str | None = None
+    # Further names requests may send as `model` (`--served-model-name A B`: B); /v1/models
+    # lists `model_name` alone, as vLLM does.
+    served_model_aliases: tuple[str, ...] = ()
+    # The chat template's source, replacing the model folder's (`--chat-template`).
+    chat_template: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     node_addresses: list[str] = field(default_factory=list)
@@ -53,6 +58,11 @@ class RouterConfig:
     # On SIGTERM, requests in flight get this long to finish (router/drain.py).
     drain_timeout_s: float = 30.0
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
+    # Logs: one INFO line per request (router/access_log.py), and every
+    # `stats_log_interval_s` one per node that had traffic (router/stats_log.py).
+    log_requests: bool = True
+    log_stats: bool = True
+    stats_log_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         nodes = [("--node", parse_node_spec(spec)[1]) for spec in self.node_addresses]
@@ -69,6 +79,10 @@ class RouterConfig:
             raise ValueError(
                 f"max_queue_delay_s is {self.max_queue_delay_s}; expected (0, 3600] s"
             )
+        if not 0 < self.stats_log_interval_s <= 3600:
+            raise ValueError(
+                f"stats_log_interval_s is {self.stats_log_interval_s}; expected (0, 3600] s"
+            )
         if not 0 < self.stream_stall_timeout_s <= 3600:
             raise ValueError(
                 f"stream_stall_timeout_s is {self.stream_stall_timeout_s}; expected (0, 3600] s"
@@ -78,3 +92,8 @@ class RouterConfig:
     def model_name(self) -> str:
         """The name clients must send as `model` (defaults to the model path as given)."""
         return self.served_model_name or str(self.model_path)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may send as `model`: `model_name` and the aliases."""
+        return (self.model_name, *self.served_model_aliases)

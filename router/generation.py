@@ -105,6 +105,7 @@ class _Choice:
     num_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finish_reason: str | None = None
     text_parts: list[str] = field(default_factory=list)
 
@@ -119,8 +120,13 @@ class Generation:
         metrics: RouterMetrics,
         admission: AdmissionQueue | None = None,
         max_buffer_tokens: int | None = None,
+        arrived_at: float | None = None,
     ) -> None:
         self.request_id = request_id
+        # When the request reached the router, and when its choices were sent to the nodes
+        # (router/metrics.py times a request from these).
+        self.arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        self.submitted_at: float | None = None
         self.plan = plan
         self.client = client
         self.tokenizer = tokenizer
@@ -153,6 +159,18 @@ class Generation:
             best[prompt] = max(best.get(prompt, 0), c.num_cached_tokens)
         return sum(best.values())
 
+    @property
+    def first_token_at(self) -> float | None:
+        """When the first token of any choice came back."""
+        times = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        return min(times, default=None)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """The choices' distinct finish reasons so far, in choice order."""
+        reasons = (c.finish_reason for c in sorted(self.choices, key=lambda c: c.index))
+        return list(dict.fromkeys(r for r in reasons if r is not None))
+
     def start(self) -> None:
         """Takes the choices' places in the admission queue (429 when it is full), then
         submits every choice: 503 when no node can take one, 400 when a sampling value cannot
@@ -163,6 +181,7 @@ class Generation:
             lengths = [len(self.plan.prompt_of(i)) for i in range(self.plan.n)]
             self.admission.admit_batch(lengths)
             self._places = dict(enumerate(lengths))
+        self.submitted_at = time.monotonic()
         for group in choice_groups(self.request_id, self.plan):  # a prompt's n choices at once
             self._submit(group)
             for index, (sub_id, _) in zip(group.indices, group.choices):
@@ -173,7 +192,7 @@ class Generation:
                         self.tokenizer, group.prompt, self.plan.skip_special_tokens
                     ),
                     StopStringMatcher(self.plan.stop),
-                    time.monotonic(),
+                    self.submitted_at,
                 )
                 self.choices.append(choice)
                 self._by_request_id[sub_id] = choice
@@ -292,9 +311,12 @@ class Generation:
             return self._prompt_only(choice, update)
         now = time.monotonic()
         if update.token_ids:
-            if choice.first_token_at is None:
+            if choice.last_token_at is None:
                 choice.first_token_at = now
-                self.metrics.time_to_first_token.observe(now - choice.submitted_at)
+                self.metrics.first_token(self.arrived_at, choice.submitted_at, now)
+            else:
+                self.metrics.later_tokens(now - choice.last_token_at, len(update.token_ids))
+            choice.last_token_at = now
             choice.num_tokens += len(update.token_ids)
             choice.num_cached_tokens = update.num_cached_tokens
             self.metrics.generation_tokens.inc(len(update.token_ids))
@@ -321,7 +343,8 @@ class Generation:
         """`echo` with `max_tokens: 0` (router/echo.py): the choice ends at its first update;
         the token the node was asked for is dropped, and the node stops if it has not."""
         now = time.monotonic()
-        self.metrics.time_to_first_token.observe(now - choice.submitted_at)
+        choice.first_token_at = now
+        self.metrics.first_token(self.arrived_at, choice.submitted_at, now)
         if update.finish_reason is None:
             self.client.abort(choice.request_id)
         self._finish(choice, "length", now)
@@ -329,8 +352,6 @@ class Generation:
 
     def _finish(self, choice: _Choice, reason: str, now: float) -> None:
         choice.finish_reason = reason
-        self.metrics.request_success.labels(reason).inc()
-        if choice.first_token_at is not None and choice.num_tokens > 1:
-            self.metrics.time_per_output_token.observe(
-                (now - choice.first_token_at) / (choice.num_tokens - 1)
-            )
+        self.metrics.choice_finished(
+            reason, choice.submitted_at, choice.first_token_at, choice.num_tokens, now
+        )

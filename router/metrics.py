@@ -1,4 +1,23 @@
-"""Prometheus metrics (prefix `pdserve_`), kept in a per-app CollectorRegistry."""
+"""Prometheus metrics (prefix `pdserve_`), kept in a per-app CollectorRegistry.
+
+Every series carries `model_name` (the served model name) and no `_created` series is exposed:
+the metrics live in `registry` and are exposed through `ModelLabelled`, a collector of their
+own (prometheus_client's `disable_created_metrics()` would change every registry of the
+process). The request histograms follow vLLM's set (docs/operations.md maps the names), timed
+as the router sees a request: arrival (its route entered), sent to the nodes (after reading,
+validation, tokenization and admission), first token back, last token back, answer done:
+
+    queue time       arrival -> sent         prefill time     sent -> first token
+    time to first    arrival -> first token  decode time      first -> last token
+    inference time   sent -> last token      e2e latency      arrival -> answer done
+    inter-token latency: the gap before each token after the first, shared by the tokens of
+    one update
+
+The node's own waiting queue is inside the prefill time; the nodes measure it themselves
+(`pdserve_queue_wait_seconds_total`, router/scheduling_metrics.py). Token, TTFT, prefill, decode,
+inference and inter-token values are per choice; prompt and generation tokens per request,
+queue time and e2e latency per request (only requests answered in full).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +26,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from router.scheduling_metrics import SchedulingCollector
 from wire.messages import NodeStats
@@ -27,7 +47,10 @@ _LATENCY_BUCKETS = (
     60.0,
     120.0,
 )
+_LONG_LATENCY_BUCKETS = (*_LATENCY_BUCKETS, 300.0, 600.0, 1800.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_ITL_BUCKETS = (*_TPOT_BUCKETS, 2.5, 5.0, 10.0)
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
 
 
 _NODE_COUNTERS = (
@@ -126,13 +149,42 @@ class NodeTotalsCollector:
         yield up
 
 
+class ModelLabelled:
+    """The metrics of `source` with `model_name` added to every sample, without the
+    `_created` samples of counters and histograms."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self.source = source
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            created = f"{family.name}_created"
+            labelled.samples = [
+                sample._replace(labels={**sample.labels, "model_name": self.model_name})
+                for sample in family.samples
+                if sample.name != created
+            ]
+            yield labelled
+
+
+def _histogram(
+    registry: CollectorRegistry, name: str, documentation: str, buckets: tuple[float, ...]
+) -> Histogram:
+    return Histogram(name, documentation, buckets=buckets, registry=registry)
+
+
 class RouterMetrics:
-    """All of the router's metrics; `render()` gives the Prometheus text exposition."""
+    """All of the router's metrics; `render()` gives the Prometheus text exposition. Other
+    parts of the router register theirs in `registry` (router/admission.py)."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self.exposed = CollectorRegistry(auto_describe=False)
+        self.exposed.register(ModelLabelled(self.registry, model_name))
         r = self.registry
         self.num_requests_waiting = Gauge(
             "pdserve_num_requests_waiting", "Requests waiting on the node", ["node"], registry=r
@@ -172,24 +224,104 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = _histogram(
+            r,
             "pdserve_time_to_first_token_seconds",
-            "Time to the first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "From the request's arrival at the router to a choice's first token",
+            _LATENCY_BUCKETS,
         )
-        self.time_per_output_token = Histogram(
+        self.time_per_output_token = _histogram(
+            r,
             "pdserve_time_per_output_token_seconds",
-            "Mean time between output tokens",
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+            "Mean time between output tokens, per choice",
+            _TPOT_BUCKETS,
         )
-        self.e2e_request_latency = Histogram(
+        self.inter_token_latency = _histogram(
+            r,
+            "pdserve_inter_token_latency_seconds",
+            "Time between two output tokens of a choice, per token",
+            _ITL_BUCKETS,
+        )
+        self.e2e_request_latency = _histogram(
+            r,
             "pdserve_e2e_request_latency_seconds",
-            "Request latency, end to end",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "From the request's arrival at the router to its answer done",
+            _LONG_LATENCY_BUCKETS,
         )
+        self.request_queue_time = _histogram(
+            r,
+            "pdserve_request_queue_time_seconds",
+            "From the request's arrival at the router to its sending to the nodes (read, "
+            "validated, tokenized, admitted)",
+            _LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = _histogram(
+            r,
+            "pdserve_request_prefill_time_seconds",
+            "From a choice's sending to the nodes to its first token (node queue and prefill)",
+            _LATENCY_BUCKETS,
+        )
+        self.request_decode_time = _histogram(
+            r,
+            "pdserve_request_decode_time_seconds",
+            "From a choice's first token to its last",
+            _LONG_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = _histogram(
+            r,
+            "pdserve_request_inference_time_seconds",
+            "From a choice's sending to the nodes to its last token",
+            _LONG_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = _histogram(
+            r, "pdserve_request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = _histogram(
+            r,
+            "pdserve_request_generation_tokens",
+            "Generated tokens per request (all choices)",
+            _TOKEN_BUCKETS,
+        )
+
+    def first_token(self, arrived_at: float, submitted_at: float, now: float) -> None:
+        self.time_to_first_token.observe(now - arrived_at)
+        self.request_prefill_time.observe(now - submitted_at)
+
+    def later_tokens(self, gap_s: float, num_tokens: int) -> None:
+        """`num_tokens` tokens after a choice's first, arrived `gap_s` after its previous."""
+        for _ in range(num_tokens):
+            self.inter_token_latency.observe(gap_s / num_tokens)
+
+    def choice_finished(
+        self,
+        reason: str,
+        submitted_at: float,
+        first_token_at: float | None,
+        num_tokens: int,
+        now: float,
+    ) -> None:
+        self.request_success.labels(reason).inc()
+        if first_token_at is None:
+            return
+        self.request_decode_time.observe(now - first_token_at)
+        self.request_inference_time.observe(now - submitted_at)
+        if num_tokens > 1:
+            self.time_per_output_token.observe((now - first_token_at) / (num_tokens - 1))
+
+    def request_finished(
+        self,
+        arrived_at: float,
+        submitted_at: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        now: float,
+    ) -> None:
+        """A request answered in full."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.request_queue_time.observe(submitted_at - arrived_at)
+        self.e2e_request_latency.observe(now - arrived_at)
 
     def observe_node(self, name: str, stats: NodeStats) -> None:
         self.num_requests_waiting.labels(name).set(stats.num_waiting)
@@ -206,4 +338,4 @@ class RouterMetrics:
         self.request_errors.labels(kind).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)

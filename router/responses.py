@@ -37,7 +37,6 @@ class Responder:
         self.formatter = formatter
         self.include_usage = include_usage
         self.created = int(time.time())
-        self.started_at = time.monotonic()
         self.id = generation.request_id
         n = generation.plan.n
         self._text = [""] * n
@@ -55,9 +54,14 @@ class Responder:
         )
 
     def _done(self) -> None:
-        metrics = self.generation.metrics
-        metrics.prompt_tokens.inc(self.generation.prompt_tokens)
-        metrics.e2e_request_latency.observe(time.monotonic() - self.started_at)
+        generation = self.generation
+        generation.metrics.request_finished(
+            generation.arrived_at,
+            generation.submitted_at or generation.arrived_at,
+            generation.prompt_tokens,
+            generation.completion_tokens,
+            time.monotonic(),
+        )
 
     def _format_logprobs(self, event: ChoiceEvent) -> dict[str, Any] | None:
         if event.logprobs is None or self.generation.plan.logprobs is None:

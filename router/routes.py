@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from router.access_log import request_record
 from router.body import read_json_object
 from router.errors import APIError, at_request_end, error_body, validation_error
 from router.generation import Generation
@@ -44,7 +45,7 @@ async def completions(request: Request) -> Response:
     state.admission.check_room()
     data = await read_json_object(request, config.max_body_bytes)
     req = parse_request(state, CompletionRequest, data, "/v1/completions")
-    check_model(req.model, config.model_name)
+    check_model(req.model, config.model_names)
     plan = await state.tokenizer_threads.run(
         plan_completion, req, config, state.tokenizer, state.limits_now(), state.check_prompt_chars
     )
@@ -57,7 +58,7 @@ async def chat_completions(request: Request) -> Response:
     state.admission.check_room()
     data = await read_json_object(request, config.max_body_bytes)
     req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")
-    check_model(req.model, config.model_name)
+    check_model(req.model, config.model_names)
     limits = state.limits_now()
     num_chars = sum(len(message.text()) for message in req.messages)
     state.check_prompt_chars(num_chars, limits, "messages")
@@ -87,7 +88,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def model(request: Request, model_id: str) -> dict[str, Any]:
     """`GET /v1/models/{model_id}` (the id may hold slashes: a model path)."""
     state: RouterState = request.app.state.router
-    check_model(model_id, state.config.model_name)
+    check_model(model_id, state.config.model_names)
     return _model_card(state)
 
 
@@ -134,6 +135,7 @@ async def _generate(
         raise APIError(503, "The server is shutting down; retry on another replica.")
     check_kv_capacity(plan, state.kv_capacity())
     prefix = "chatcmpl" if chat else "cmpl"
+    record = request_record(request.scope)
     generation = Generation(
         f"{prefix}-{uuid.uuid4().hex}",
         plan,
@@ -142,7 +144,10 @@ async def _generate(
         state.metrics,
         state.admission,
         config.max_stream_buffer_tokens,
+        arrived_at=record.arrived_at if record is not None else None,
     )
+    if record is not None:
+        record.generation = generation  # for the request's access line
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
     at_request_end(request.scope, generation.close)  # before start(): covers every exit
@@ -160,16 +165,17 @@ async def _generate(
     response = EventStreamResponse(
         responder.stream(events, first),
         stall_timeout_s=config.stream_stall_timeout_s,
-        on_stall=lambda: _stalled(state, generation),
+        on_stall=lambda: _stalled(state, generation, record.request_id if record else "-"),
     )
     generation.queue.writer_blocked = response.write_blocked
     return response
 
 
-def _stalled(state: RouterState, generation: Generation) -> None:
+def _stalled(state: RouterState, generation: Generation, request_id: str) -> None:
     state.metrics.error("stream_stalled")
     logger.warning(
-        "request %s aborted: its client read nothing for %.1f s",
+        "request %s (%s) aborted: its client read nothing for %.1f s",
+        request_id,
         generation.request_id,
         state.config.stream_stall_timeout_s,
     )

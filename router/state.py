@@ -1,7 +1,7 @@
-"""What one router app owns: settings, tokenizer and its worker threads, metrics, admission
-queue and node client, built by `create_app` (router/app.py) and reachable from every handler
-as `request.app.state.router`; nothing of it is module-global, so two apps in one process are
-independent.
+"""What one router app owns: settings, tokenizer and its worker threads, metrics and the stats
+log, admission queue and node client, built by `create_app` (router/app.py) and reachable from
+every handler as `request.app.state.router`; nothing of it is module-global, so two apps in
+one process are independent.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from router.metrics import RouterMetrics
 from router.node_client import NodeClient
 from router.node_registry import NodeState
 from router.prompt_chars import max_chars_per_token
+from router.stats_log import StatsLog
 from router.unsupported import UnknownFieldLog
 from router.validation import KVCapacity, Limits
 from text.tokenizer import load_tokenizer
@@ -60,9 +61,12 @@ class RouterState:
     def __init__(self, config: RouterConfig, tokenizer: Any = None) -> None:
         self.config = config
         self.tokenizer = (
-            tokenizer if tokenizer is not None else load_tokenizer(Path(config.model_path))
+            tokenizer
+            if tokenizer is not None
+            else load_tokenizer(Path(config.model_path), config.chat_template)
         )
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.model_name)
+        self.stats_log = StatsLog(config.stats_log_interval_s) if config.log_stats else None
         self.admission = AdmissionQueue(config, self.metrics.registry)
         self.client = NodeClient(
             config.node_addresses,
@@ -82,10 +86,16 @@ class RouterState:
         self.draining = False  # set on SIGTERM (router/drain.py): new requests get 503
 
     def _on_stats(self, node: NodeState) -> None:
-        self.metrics.observe_node(node.node_id or node.address, node.stats)
+        name = node.node_id or node.address
+        self.metrics.observe_node(name, node.stats)
+        if self.stats_log is not None:
+            self.stats_log.observe(name, node.stats)
 
     def _on_liveness(self, node: NodeState) -> None:
-        self.metrics.observe_liveness(node.node_id or node.address, node.role or "", node.up)
+        name = node.node_id or node.address
+        self.metrics.observe_liveness(name, node.role or "", node.up)
+        if self.stats_log is not None and not node.up:
+            self.stats_log.forget(name)
 
     def limits(self) -> tuple[int, int]:
         node = self.client.live_node()

@@ -32,7 +32,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
     data = await read_json_object(request, state.config.max_body_bytes)
     req = parse_request(state, TokenizeRequest, data, "/tokenize")
-    check_model(req.model, state.config.model_name)
+    check_model(req.model, state.config.model_names)
     if (req.prompt is None) == (req.messages is None):
         raise invalid("Give either 'prompt' or 'messages'.", "prompt")
     if req.messages is not None and req.add_special_tokens:
@@ -80,7 +80,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
     data = await read_json_object(request, state.config.max_body_bytes)
     req = parse_request(state, DetokenizeRequest, data, "/detokenize")
-    check_model(req.model, state.config.model_name)
+    check_model(req.model, state.config.model_names)
     vocab_size = len(state.tokenizer)
     if any(not 0 <= t < vocab_size for t in req.tokens):
         raise invalid(f"token ids in 'tokens' must be in [0, {vocab_size}).", "tokens")

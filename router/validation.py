@@ -76,8 +76,9 @@ class Plan:
         return self.prompts[choice // self.choices_per_prompt]
 
 
-def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
+def check_model(requested: str | None, served: tuple[str, ...]) -> None:
+    """404 unless `requested` is absent or one of the `served` names."""
+    if requested is not None and requested not in served:
         raise APIError(
             404,
             f"The model '{_clip(requested)}' does not exist.",

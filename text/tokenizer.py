@@ -80,7 +80,8 @@ class Tokenizer:
         self.eos_token_id: int | None = backend.token_to_id(eos) if eos else None
 
     @classmethod
-    def from_folder(cls, folder: Path) -> Tokenizer:
+    def from_folder(cls, folder: Path, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template` (a template's source) replaces the folder's."""
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(
@@ -97,7 +98,7 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens=special_tokens,
-            chat_template=_chat_template_source(folder, config),
+            chat_template=chat_template or _chat_template_source(folder, config),
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
         )
 
@@ -139,6 +140,21 @@ class Tokenizer:
         return self.chat_template is not None and variable in self.chat_template
 
 
-def load_tokenizer(model_path: Path) -> Tokenizer:
-    return Tokenizer.from_folder(Path(model_path))
+def load_tokenizer(model_path: Path, chat_template: str | None = None) -> Tokenizer:
+    return Tokenizer.from_folder(Path(model_path), chat_template)
 
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: the path of a file holding
+    one, or the template itself. ValueError for a value that is neither, or a template that
+    does not parse."""
+    try:
+        source = Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, ValueError):  # no such file, or a name no file can have: a template?
+        if "{{" not in value and "{%" not in value:
+            raise ValueError(
+                f"--chat-template {value!r} is neither a file nor a Jinja template"
+            ) from None
+        source = value
+    compile_template(source)  # ChatTemplateError (a ValueError) if it does not parse
+    return source

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,9 +20,11 @@ from tests.fault_checks import alive, children_of
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum):
     port = free_port()
+    # MODEL positional; once, a second served name (the first stays the one listed).
+    aliases = ["--served-model-name", tiny_llama_dir.name, "alias"] if signum == signal.SIGINT else []
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tiny_llama_dir),
-         "--port", str(port)],
+        [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port", str(port),
+         *aliases],
         stdout=subprocess.PIPE, text=True,
     )
     children: list[int] = []
@@ -31,6 +35,13 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
             assert ready_line, "the launcher exited before it was ready"
         assert f"http://127.0.0.1:{port}/v1" in ready_line
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        # MODEL as a path is served by its folder's name (as the README's request names it).
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"]
+        assert [card["id"] for card in models] == [tiny_llama_dir.name]
+        for name in [tiny_llama_dir.name, *aliases[2:]]:
+            body = {"model": name, "prompt": "hi", "max_tokens": 1}
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
         children = children_of(launcher.pid)
         assert len(children) == 3  # a prefill node, a decode node, the router
         launcher.send_signal(signum)
@@ -48,10 +59,32 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_launcher_fails_when_a_process_cannot_start(tmp_path):
+def test_a_folder_that_is_no_model_is_refused_before_any_process_starts(tmp_path):
     launcher = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tmp_path),
          "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, check=False,
     )
-    assert launcher.returncode != 0
+    assert launcher.returncode == 2
+    assert launcher.stderr.strip() == f"pdserve: {tmp_path} is not a model folder: it has no config.json"
+
+
+def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llama_dir):
+    port = free_port()
+    launcher = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port", str(port),
+         "--colocated", "--max-num-seqs", "0"],  # the node refuses it; the launcher does not
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert launcher.returncode == 1
+    assert "Traceback" not in launcher.stderr
+    lines = launcher.stderr.strip().splitlines()
+    assert len(lines) == 1, launcher.stderr
+    match = re.fullmatch(
+        rf"pdserve: (colocated-0\.{port}) exited with status 2 during start-up: (.*) "
+        r"\(full log: (.*)\)",
+        lines[0],
+    )
+    assert match is not None, lines[0]
+    assert "invalid settings: max_num_seqs must be >= 1, got 0" in match[2]
+    assert match[2] in Path(match[3]).read_text()

@@ -102,7 +102,7 @@ def server(tiny_llama_dir, tmp_path_factory):
         log_path=log_path,
     )
     server.log_path = log_path
-    server.model_name = str(tiny_llama_dir)
+    server.model_name = tiny_llama_dir.name
     try:
         wait_until(  # the decode node binds its KV channel at start-up
             lambda: len(listening_sockets(process_tree(server.process.pid))) >= 5,

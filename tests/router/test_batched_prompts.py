@@ -185,7 +185,7 @@ def test_admission_and_the_queue_delay_count_every_prompt_of_a_batch(tokenizer):
 
     async def run():
         client, _ = client_with("c", max_queue_delay_s=1000.0)
-        generation = Generation("cmpl-b", plan, client, tokenizer, RouterMetrics(), admission)
+        generation = Generation("cmpl-b", plan, client, tokenizer, RouterMetrics("tiny"), admission)
         generation.start()
         held = (admission.num_requests, admission.num_tokens)
         queued = client.prompt_queues.tokens(client.nodes[0])
@@ -199,7 +199,7 @@ def test_admission_and_the_queue_delay_count_every_prompt_of_a_batch(tokenizer):
     config.max_queued_tokens = 2 * 3 + 2 * 10 - 1
     admission.admit(1, 1)
     with pytest.raises(APIError) as refusal:
-        Generation("cmpl-c", plan, None, tokenizer, RouterMetrics(), admission).start()
+        Generation("cmpl-c", plan, None, tokenizer, RouterMetrics("tiny"), admission).start()
     assert refusal.value.status == 429 and "adds 26" in refusal.value.message
 
 
@@ -207,7 +207,7 @@ def test_a_batch_past_the_queue_delay_is_refused_whole(tokenizer):
     async def run():
         client, _ = client_with("c", max_queue_delay_s=2.0)  # 100 tokens/s
         plan = _batch_plan([list(range(150)), list(range(100))], n=1)
-        generation = Generation("cmpl-d", plan, client, tokenizer, RouterMetrics())
+        generation = Generation("cmpl-d", plan, client, tokenizer, RouterMetrics("tiny"))
         with pytest.raises(APIError) as refusal:
             generation.start()
         generation.close()

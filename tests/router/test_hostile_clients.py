@@ -510,7 +510,7 @@ def test_after_an_internal_error_the_same_connection_serves_the_next_request(
     assert served.status_code == 200 and served.json()["choices"][0]["text"] == REPLY
     assert metrics_failed.status_code == 500 and metrics_failed.json()["error"]["code"] is None
     assert models.status_code == 200
-    assert 'pdserve_request_errors_total{kind="server_error"} 2.0' in metrics
+    assert 'pdserve_request_errors_total{kind="server_error",model_name="tiny"} 2.0' in metrics
     assert admission_counts(app) == (0, 0)
 
 

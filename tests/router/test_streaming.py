@@ -202,9 +202,9 @@ def test_metrics_count_finished_requests(tmp_path, tokenizer):
         return await http.get("/metrics")
 
     text = run_with_node(tmp_path, tokenizer, scenario).text
-    assert 'pdserve_request_success_total{finish_reason="length"} 1.0' in text
-    assert "pdserve_generation_tokens_total 3.0" in text
-    assert 'pdserve_kv_cache_usage_ratio{node="n0"} 0.0' in text
+    assert 'pdserve_request_success_total{finish_reason="length",model_name="tiny"} 1.0' in text
+    assert 'pdserve_generation_tokens_total{model_name="tiny"} 3.0' in text
+    assert 'pdserve_kv_cache_usage_ratio{model_name="tiny",node="n0"} 0.0' in text
 
 
 def _generation(http_app_state, prompt_ids, n=2):

@@ -223,7 +223,7 @@ def test_generated_secret_stays_off_command_lines_and_only_its_holders_join(
         for pid in [server.process.pid, *children]:
             assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
-        body = {"model": str(tiny_llama_dir), "prompt": "hello", "max_tokens": 4,
+        body = {"model": tiny_llama_dir.name, "prompt": "hello", "max_tokens": 4,
                 "temperature": 0, "ignore_eos": True}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
 

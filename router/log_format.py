@@ -1,0 +1,70 @@
+"""How the router process logs: `LogSettings` (from `--log-level`, `--log-format text|json`,
+`--uvicorn-log-level`), applied once by `python -m router` to the root logger.
+
+Text: `TIME LEVEL LOGGER: MESSAGE`. JSON: one object per line with `ts` (ISO 8601, UTC),
+`level`, `logger` and `message`, plus the fields a record carries in `fields` (the access line
+and the stats line put theirs there: router/access_log.py, router/stats_log.py) and
+`exception` when there is a traceback. uvicorn's own loggers propagate to the same handler, at
+`--uvicorn-log-level`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object per record; a record's `fields` (a dict, given as
+    `extra={"fields": ...}`) are merged in at the top level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line.update((k, v) for k, v in fields.items() if k not in line)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+@dataclass
+class LogSettings:
+    level: str = "info"
+    log_format: str = "text"
+    uvicorn_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        self.level, self.uvicorn_level = self.level.lower(), self.uvicorn_level.lower()
+        for name in ("level", "uvicorn_level"):
+            value = getattr(self, name)
+            if value not in LOG_LEVELS:
+                raise ValueError(f"{name} is {value!r}; expected one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(
+                f"log_format is {self.log_format!r}; expected one of {', '.join(LOG_FORMATS)}"
+            )
+
+    def formatter(self) -> logging.Formatter:
+        return JSONFormatter() if self.log_format == "json" else logging.Formatter(TEXT_FORMAT)
+
+    def apply(self) -> None:
+        """Sets the root logger up: one stderr handler with this format, at `level`."""
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(self.formatter())
+        logging.basicConfig(level=self.level.upper(), handlers=[handler], force=True)

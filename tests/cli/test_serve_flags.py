@@ -1,0 +1,135 @@
+"""`pdserve serve`'s vLLM spellings reach the processes it starts: each node's argv, as the
+launcher plans it, parsed by the node's own parser into the node's EngineConfig, and the router's
+argv parsed by the router's own parser into its RouterConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.cli import add_kv_flags, engine_config, node_parser
+from pdserve.cli import build_parser, main
+from pdserve.launcher import plan_nodes, router_flags
+from pdserve.model_source import ServedModel, resolve_served_model
+from pdserve.serve_flags import check_serve_flags
+from router.__main__ import parse_args as parse_router_args
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def serve_args(flags: list[str]):
+    args = build_parser().parse_args(["serve", *flags])
+    check_serve_flags(args)
+    return args
+
+
+def node_engine_configs(args, model: str = "/models/tiny"):
+    configs = []
+    for plan in plan_nodes(args, model, "tcp://127.0.0.1:26990"):
+        module, node_argv = plan.argv[2], plan.argv[3:]
+        parser = node_parser(f"python -m {module}", "")
+        if module != "colocated_node":
+            add_kv_flags(parser, receiver=module == "decode_node")
+        configs.append(engine_config(parser.parse_args(node_argv)))
+    return configs
+
+
+@pytest.mark.parametrize("layout", [[], ["--colocated"]])
+def test_vllm_engine_flags_reach_every_node_the_launcher_plans(layout):
+    args = serve_args([
+        "/models/tiny", *layout, "--kv-transport", "shm", "--threads-per-node", "1",
+        "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "7",
+        "--max-num-batched-tokens", "300", "--no-enable-prefix-caching",
+        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--load-format", "dummy",
+        "--seed", "42", "--trust-remote-code", "--tensor-parallel-size", "1",
+    ])
+    configs = node_engine_configs(args)
+    assert len(configs) == (1 if layout else 2)
+    for config in configs:
+        assert config.model == "/models/tiny"
+        assert (config.dtype, config.max_model_len, config.max_num_seqs) == ("bfloat16", 512, 7)
+        assert config.max_num_batched_tokens == 300
+        assert config.enable_prefix_caching is False
+        assert config.gpu_memory_utilization == 0.5
+        assert config.cuda_graphs is False
+        assert (config.load_format, config.seed) == ("dummy", 42)
+
+
+def test_nodes_keep_the_engine_defaults_when_no_flag_is_given():
+    defaults = node_engine_configs(serve_args(["--kv-transport", "shm"]))[0]
+    assert (defaults.dtype, defaults.seed, defaults.max_num_seqs) == ("auto", 0, 256)
+    assert defaults.enable_prefix_caching is True
+
+
+def test_model_flag_is_an_alias_of_the_positional_model():
+    assert serve_args(["--model", "/models/a"]).model == "/models/a"
+    assert serve_args(["/models/a"]).model == "/models/a"
+    assert serve_args([]).model is None
+
+
+def test_served_model_names_and_chat_template_reach_the_router(tmp_path):
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(TEMPLATE)
+    for template in (TEMPLATE, str(template_file)):
+        args = serve_args(["--served-model-name", "tiny", "tiny-alias", "--chat-template", template])
+        served = resolve_served_model("/models/tiny", args.served_model_name)
+        argv = router_flags(args, served)
+        config, _ = parse_router_args(
+            [*argv, "--node", "tcp://127.0.0.1:26991", "--listen", "tcp://127.0.0.1:26992"]
+        )
+        assert config.model_name == "tiny"
+        assert config.model_names == ("tiny", "tiny-alias")
+        assert config.chat_template == TEMPLATE
+
+
+def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
+    served = resolve_served_model(str(tmp_path / "SmolLM2-135M-Instruct"))
+    assert served.names == ("SmolLM2-135M-Instruct",)
+    assert served.folder == tmp_path / "SmolLM2-135M-Instruct"
+    assert resolve_served_model("relative/folder/", None).names == ("folder",)
+    assert router_flags(serve_args([]), ServedModel(Path("/m/x"), ("x",)))[:4] == [
+        "--model", "/m/x", "--served-model-name", "x"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: pdserve runs each node"),
+        (["-tp", "4"], "--tensor-parallel-size 4"),
+        (["--generation-config", "auto"], "--generation-config auto: pdserve takes no default"),
+        (["--chat-template", "no/such/template.jinja"], "neither a file nor a Jinja template"),
+        (["--chat-template", "{% for %}"], "the chat template does not parse"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["/models/a", "--model", "/models/b"], "MODEL '/models/a' and --model '/models/b'"),
+    ],
+)
+def test_bad_serve_flags_print_pdserve_serve_usage(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pdserve serve "), err
+    assert message in err
+
+
+def test_router_logging_flags_reach_the_router():
+    args = serve_args(["--log-format", "json", "--uvicorn-log-level", "info",
+                       "--disable-log-requests", "--log-level", "warning"])
+    argv = router_flags(args, ServedModel(Path("/m/x"), ("x",)))
+    assert argv[argv.index("--log-format") + 1] == "json"
+    assert argv[argv.index("--uvicorn-log-level") + 1] == "info"
+    assert argv[argv.index("--log-level") + 1] == "warning"
+    assert "--disable-log-requests" in argv and "--disable-log-stats" not in argv
+    defaults = router_flags(serve_args([]), ServedModel(Path("/m/x"), ("x",)))
+    assert "--log-format" not in defaults and "--disable-log-requests" not in defaults
+
+
+def test_a_chat_template_given_replaces_the_model_folders(tiny_llama_dir):
+    from text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama_dir, chat_template=TEMPLATE)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tokenizer.decode(ids) == "<user>hi<assistant>"
