@@ -1,10 +1,21 @@
-"""pdserve's engine core: paged KV cache, continuous batching, Llama-family models."""
+"""pdserve's engine core: paged KV cache, continuous batching, Llama-family models.
+
+`LLM`, `RequestOutput` and `SamplingParams` are imported on first use, so `engine.config`
+(whose dataclass the command-line parsers are generated from) loads without torch.
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+_LAZY = {"LLM": "engine.llm", "RequestOutput": "engine.outputs", "SamplingParams": "engine.sampling_params"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -18,8 +18,10 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from engine.sequence import Sequence
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 ADMISSION_POLICIES = ("optimistic", "worst-case", "predicted")
 

@@ -6,21 +6,27 @@ model folder dictates. Nothing reads configuration from the environment after co
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.admission import ADMISSION_POLICIES
 from engine.preemption import PREEMPTION_MODES
+from wire.config_flags import gib_to_bytes, option
 
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch's; torch is imported only when a dtype is resolved, so the parsers
+# generated from EngineConfig (wire/config_flags.py) load without it.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -36,7 +42,9 @@ def default_attention_backend(device: torch.device) -> str:
 
 @dataclass
 class EngineConfig:
-    """Operator-chosen settings of one engine (one node, one device).
+    """Operator-chosen settings of one engine (one node, one device). Each field's `option`
+    metadata gives its flag and help; every parser is generated from them
+    (wire/config_flags.py).
 
     model: a model folder (config.json + *.safetensors + tokenizer files); None means the
         default model, downloaded on first use.
@@ -68,29 +76,94 @@ class EngineConfig:
         0 makes priorities strict.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    load_format: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    processes_on_device: int = 1
-    attention_backend: str = "auto"
-    cuda_graphs: bool | None = None
-    enable_prefix_caching: bool = True
-    prefix_cache_min_blocks: int = 2
-    num_threads: int | None = None
-    seed: int = 0
-    preemption_mode: str = "auto"
-    swap_space: int = DEFAULT_SWAP_SPACE
-    admission: str = "optimistic"
-    admission_quantile: float = 0.9
-    priority_aging_s: float = 10.0
+    model: str | None = option(
+        None, flag="--model", launcher_sets=True,
+        help="model folder (default: the default model)",
+    )
+    dtype: str = option(
+        "auto", flag="--dtype", choices=("auto", *_DTYPES),
+        help="weights and activations (default auto: fp32 on the CPU; on CUDA the config's "
+        "16-bit dtype, else bfloat16)",
+    )
+    load_format: str = option(
+        "auto", flag="--load-format", choices=LOAD_FORMATS,
+        help="auto (default: the folder's *.safetensors) or dummy (random weights from "
+        "config.json, for a model's shapes without its weights)",
+    )
+    device: str = option(
+        "auto", flag="--device", launcher_sets=True,
+        help="auto (default: the first visible GPU, else the CPU), cpu or cuda:N",
+    )
+    block_size: int = option(16, flag="--block-size", help="tokens per KV block (a power of 2)")
+    max_num_batched_tokens: int = option(
+        2048, flag="--max-num-batched-tokens", help="token budget per step"
+    )
+    max_num_seqs: int = option(256, flag="--max-num-seqs", help="sequences in one step")
+    max_model_len: int | None = option(
+        None, flag="--max-model-len",
+        help="longest prompt + completion (default: the model's max_position_embeddings)",
+    )
+    kv_cache_memory: int | None = option(
+        None, flag="--kv-cache-memory", metavar="BYTES",
+        help="KV cache size (default: 1 GiB on the CPU; on CUDA the rest of the share)",
+    )
+    num_kv_blocks: int | None = option(
+        None, flag="--num-kv-blocks", metavar="N",
+        help="an exact KV block count (default: from the memory budget)",
+    )
+    gpu_memory_utilization: float = option(
+        0.9, flag="--gpu-memory-utilization", metavar="FRACTION",
+        help="fraction of each GPU's memory that the node processes on it hold together, in "
+        "equal shares",
+    )
+    processes_on_device: int = option(
+        1, flag="--processes-on-device", metavar="N", launcher_sets=True,
+        help="node processes sharing this node's GPU; `pdserve serve` counts them",
+    )
+    attention_backend: str = option(
+        "auto", flag="--attention-backend",
+        help="auto (default: triton on CUDA, torch on the CPU), torch or triton",
+    )
+    cuda_graphs: bool | None = option(
+        None, flag="--enforce-eager", switch=True, to_field=operator.not_,
+        help="no CUDA graphs (default: decode steps replay them on CUDA with triton attention)",
+    )
+    enable_prefix_caching: bool = option(
+        True, flag="--enable-prefix-caching",
+        help="reuse the KV of prompt prefixes seen before",
+    )
+    prefix_cache_min_blocks: int = option(
+        2, flag="--prefix-cache-min-blocks",
+        help="shortest run of full KV blocks the prefix cache keeps",
+    )
+    num_threads: int | None = option(
+        None, flag="--num-threads", launcher_sets=True, help="torch CPU threads"
+    )
+    seed: int = option(
+        0, flag="--seed",
+        help="seeds sampling of requests without a seed, and dummy weights",
+    )
+    preemption_mode: str = option(
+        "auto", flag="--preemption-mode", choices=PREEMPTION_MODES,
+        help="cure for preempted requests (default auto: the cheaper by measured cost)",
+    )
+    swap_space: int = option(
+        DEFAULT_SWAP_SPACE, flag="--swap-space", type=float, metavar="GIB",
+        to_field=gib_to_bytes,
+        help="host memory per node for swapped-out KV, in GiB (default 4; 0: no swapping)",
+    )
+    admission: str = option(
+        "optimistic", flag="--admission", choices=ADMISSION_POLICIES,
+        help="KV reserved at admission (default optimistic: the next chunk only)",
+    )
+    admission_quantile: float = option(
+        0.9, flag="--admission-quantile",
+        help="quantile of observed output lengths that predicted admission reserves",
+    )
+    priority_aging_s: float = option(
+        10.0, flag="--priority-aging-seconds",
+        help="seconds of waiting worth one priority level (0: strict priorities)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -163,13 +236,17 @@ class EngineConfig:
             )
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if device.type == "cpu":
             return torch.float32
         if config_dtype in (torch.float16, torch.bfloat16):

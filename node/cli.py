@@ -2,10 +2,17 @@
 
 `python -m colocated_node`, `python -m prefill_node` and `python -m decode_node` build their
 parser with `node_parser` (plus `add_kv_flags` for the roles that move KV), then call
-`run_node(args, role)`: logging to stderr at INFO, SIGTERM and SIGINT handlers installed before
-the (slow) model load, then `role(engine_config=..., config=...)` makes the node and `run()`
-serves until a signal; the exit status is 0, or 2 for invalid settings. The cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here,
-once; without one every address the node binds, advertises or dials must be a loopback one.
+`run_node(args, role)`: logging set up from LogSettings (`--log-level`, `--log-format
+text|json`; wire/log_format.py), SIGTERM and SIGINT handlers installed before the (slow) model
+load, then `role(engine_config=..., config=...)` makes the node and `run()` serves until a
+signal; the exit status is 0, or 2 for invalid settings. The cluster secret (`--cluster-secret`,
+else `PDSERVE_CLUSTER_SECRET`) is read here, once; without one every address the node binds,
+advertises or dials must be a loopback one.
+
+Every flag is generated from EngineConfig's, NodeConfig's and LogSettings' fields
+(wire/config_flags.py). `pdserve serve` hands its nodes their settings as data: JSON in
+`PDSERVE_NODE_CONFIG`, {"engine": {field: value}, "node": {...}, "log": {...}}, in field units
+(swap_space in bytes); flags given on the command line override it.
 
 Device: a node runs on `--device` (default: the first GPU it sees, else the CPU), made the
 process's current CUDA device before the model loads. `pdserve serve` lists the node's own GPU
@@ -15,116 +22,38 @@ first in its CUDA_VISIBLE_DEVICES (pdserve/launcher.py), so the default is the r
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import signal
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from engine.config import LOAD_FORMATS, EngineConfig
+from engine.config import EngineConfig
 from kvtransfer import TRANSPORT_NAMES
-from node.config import NodeConfig
+from node.config import CONFIG_ENV, NodeConfig
 from wire.cluster_auth import SECRET_ENV, ClusterAuth
+from wire.config_flags import add_flags, build
+from wire.log_format import LogSettings
 
-_ENGINE_OPTIONS = (
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "kv_cache_memory",
-    "num_kv_blocks",
-    "block_size",
-    "prefix_cache_min_blocks",
-    "attention_backend",
-    "load_format",
-    "dtype",
-    "seed",
-    "device",
-    "gpu_memory_utilization",
-    "processes_on_device",
-    "num_threads",
-    "preemption_mode",
-    "admission",
-    "admission_quantile",
-    "priority_aging_s",
-)
+CONFIG_PARTS = {"engine": EngineConfig, "node": NodeConfig, "log": LogSettings}
+
+
+def _for_every_role(f: dataclasses.Field) -> bool:
+    return f.metadata.get("roles") is None
 
 
 def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--model", default=None, help="model folder (default: default model)")
-    parser.add_argument(
-        "--load-format", default=None, choices=LOAD_FORMATS,
-        help="auto (default: the folder's *.safetensors) or dummy (random weights from "
-        "config.json alone, for measuring a model's shapes without its weights)",
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description,
+        epilog=f"${CONFIG_ENV} (JSON, from `pdserve serve`) gives settings these flags override.",
     )
-    parser.add_argument(
-        "--dtype", default=None,
-        help="auto (default: fp32 on the CPU; the config's 16-bit dtype, else bf16, on CUDA), "
-        "bfloat16, float16 or float32",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=None,
-        help="seeds the sampler of requests without a seed, and dummy weights (default 0)",
-    )
-    parser.add_argument("--node-id", required=True)
-    parser.add_argument("--listen", required=True, help="zmq address to bind, e.g. tcp://...")
-    parser.add_argument("--advertise", default=None, help="address others reach --listen at")
-    parser.add_argument("--router", required=True, help="zmq address of the router's PULL")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument(
-        "--attention-backend", default=None,
-        help="auto (default: triton on CUDA, torch on the CPU), torch or triton",
-    )
-    parser.add_argument(
-        "--enforce-eager", action="store_true",
-        help="run every step eagerly: no CUDA graphs (default: decode steps replay CUDA "
-        "graphs on CUDA with the triton backend)",
-    )
-    parser.add_argument(
-        "--device", default=None,
-        help="auto (default: the first visible GPU, else the CPU), cpu or cuda:N",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-        help="fraction of the GPU's memory the node processes on it hold together (default "
-        "0.9), in equal shares",
-    )
-    parser.add_argument(
-        "--processes-on-device", type=int, default=None, metavar="N",
-        help="node processes sharing this node's GPU (default 1); `pdserve serve` counts them",
-    )
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument("--prefix-cache-min-blocks", type=int, default=None)
-    parser.add_argument(
-        "--preemption-mode", default=None, help="auto (cheaper by cost), recompute or swap"
-    )
-    parser.add_argument(
-        "--swap-space", type=float, default=None, metavar="GIB",
-        help="host memory for swapped-out KV, in GiB (default 4; 0 disables swapping)",
-    )
-    parser.add_argument(
-        "--admission", default=None, help="optimistic (default), worst-case or predicted"
-    )
-    parser.add_argument(
-        "--admission-quantile", type=float, default=None,
-        help="quantile of observed output lengths that predicted admission reserves",
-    )
-    parser.add_argument(
-        "--priority-aging-seconds", dest="priority_aging_s", type=float, default=None,
-        help="seconds of waiting worth one priority level (0: strict priorities)",
-    )
-    parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
+    add_flags(parser, EngineConfig)
+    add_flags(parser, NodeConfig, select=_for_every_role)
+    add_flags(parser, LogSettings, select=_for_every_role)
     parser.add_argument(
         "--cluster-secret", default=os.environ.get(SECRET_ENV) or None, metavar="SECRET",
         help=f"shared by the router and every node (default: ${SECRET_ENV}); needed for "
@@ -136,67 +65,59 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def add_kv_flags(parser: argparse.ArgumentParser, *, receiver: bool) -> None:
     """The KV transfer flags: the transport (both ends), and the receiving end's channel
     address and deadlines (decode nodes)."""
-    defaults = NodeConfig(node_id="-", listen_address="-", router_address="-")
-    parser.add_argument("--kv-transport", default=defaults.kv_transport, choices=TRANSPORT_NAMES)
-    if not receiver:
-        return
-    parser.add_argument(
-        "--kv-listen", default=defaults.kv_listen_address, help="KV channel bind address"
-    )
-    parser.add_argument(
-        "--transfer-timeout", type=float, default=defaults.transfer_timeout_s, metavar="SECONDS",
-        help="a KV transfer's deadline from its first write; the first token's after the KV "
-        f"arrived (default {defaults.transfer_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--queue-timeout", type=float, default=defaults.queue_timeout_s, metavar="SECONDS",
-        help="the wait for free KV blocks, then for the prefill node to start (default "
-        f"{defaults.queue_timeout_s:g})",
-    )
+    role = "decode" if receiver else "prefill"
+    add_flags(parser, NodeConfig, select=lambda f: role in (f.metadata.get("roles") or ()))
 
 
-def node_config(args: argparse.Namespace, auth: ClusterAuth) -> NodeConfig:
-    """ValueError for settings out of range."""
-    defaults = NodeConfig(node_id="-", listen_address="-", router_address="-")
-    return NodeConfig(
-        node_id=args.node_id,
-        listen_address=args.listen,
-        router_address=args.router,
-        advertise_address=args.advertise,
-        heartbeat_interval=args.heartbeat_interval,
-        cluster_auth=auth,
-        kv_transport=getattr(args, "kv_transport", defaults.kv_transport),
-        kv_listen_address=getattr(args, "kv_listen", defaults.kv_listen_address),
-        transfer_timeout_s=getattr(args, "transfer_timeout", defaults.transfer_timeout_s),
-        queue_timeout_s=getattr(args, "queue_timeout", defaults.queue_timeout_s),
-    )
+def launcher_config(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The settings `pdserve serve` handed this node as data ({} parts when none)."""
+    text = environ.get(CONFIG_ENV)
+    loaded = json.loads(text) if text else {}
+    well_formed = isinstance(loaded, dict) and set(loaded) <= set(CONFIG_PARTS)
+    if not well_formed or not all(isinstance(part, dict) for part in loaded.values()):
+        raise ValueError(
+            f"${CONFIG_ENV} must be a JSON object of objects, keys among {sorted(CONFIG_PARTS)}"
+        )
+    return {part: loaded.get(part, {}) for part in CONFIG_PARTS}
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    options = {
-        name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None
-    }
-    if args.swap_space is not None:
-        options["swap_space"] = int(args.swap_space * (1 << 30))
-    if args.enforce_eager:
-        options["cuda_graphs"] = False
-    return EngineConfig(
-        model=args.model, enable_prefix_caching=args.enable_prefix_caching, **options
-    )
-
-
-def cluster_auth(args: argparse.Namespace) -> ClusterAuth:
-    """ValueError for a bad secret, or for a non-loopback address without a secret."""
-    auth = ClusterAuth.from_secret(args.cluster_secret)
+def node_config(
+    args: argparse.Namespace, auth: ClusterAuth, base: Mapping[str, Any] | None = None
+) -> NodeConfig:
+    """ValueError for settings out of range, or a required address missing."""
+    config = build(NodeConfig, args, base, cluster_auth=auth)
+    if config.kv_transport not in TRANSPORT_NAMES:
+        raise ValueError(
+            f"kv_transport {config.kv_transport!r} is unknown; valid: {', '.join(TRANSPORT_NAMES)}"
+        )
     auth.check_addresses(
         [
-            ("--listen", args.listen),
-            ("--advertise", args.advertise),
-            ("--router", args.router),
-            ("--kv-listen", getattr(args, "kv_listen", None)),
+            ("--listen", config.listen_address),
+            ("--advertise", config.advertise_address),
+            ("--router", config.router_address),
+            ("--kv-listen", config.kv_listen_address),
         ]
     )
-    return auth
+    return config
+
+
+def engine_config(args: argparse.Namespace, base: Mapping[str, Any] | None = None) -> EngineConfig:
+    return build(EngineConfig, args, base)
+
+
+def configs(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[EngineConfig, NodeConfig, LogSettings]:
+    """What a node builds: `environ`'s launcher config, then the flags given. ValueError for
+    invalid settings (a bad secret, addresses a missing secret cannot cover, values out of
+    range)."""
+    parts = launcher_config(environ)
+    auth = ClusterAuth.from_secret(args.cluster_secret)
+    return (
+        engine_config(args, parts["engine"]),
+        node_config(args, auth, parts["node"]),
+        build(LogSettings, args, parts["log"]),
+    )
 
 
 def use_device(device: torch.device) -> None:
@@ -215,11 +136,6 @@ def use_device(device: torch.device) -> None:
 
 def run_node(args: argparse.Namespace, role: Callable[..., Any]) -> int:
     """Runs the node `role(engine_config=..., config=...)` builds until a signal."""
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     logger = logging.getLogger("node")
     signals: list[int] = []
     node = None
@@ -233,9 +149,13 @@ def run_node(args: argparse.Namespace, role: Callable[..., Any]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        auth = cluster_auth(args)
-        config = node_config(args, auth)
-        engine = engine_config(args)
+        engine, config, log = configs(args, os.environ)
+    except ValueError as error:
+        LogSettings().apply()
+        logger.error("invalid settings: %s", error)
+        return 2
+    log.apply()
+    try:
         use_device(engine.resolve_device())
     except ValueError as error:
         logger.error("invalid settings: %s", error)

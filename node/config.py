@@ -12,21 +12,58 @@ from dataclasses import dataclass, field
 
 from node.heartbeat import DEFAULT_STALL_LIMIT_S
 from wire.cluster_auth import ClusterAuth
+from wire.config_flags import option
+
+# `pdserve serve` hands each node its settings as JSON here (node/cli.py).
+CONFIG_ENV = "PDSERVE_NODE_CONFIG"
+KV_SENDERS = ("prefill", "decode")  # the roles whose nodes move KV (`roles` of an option)
 
 
 @dataclass(frozen=True)
 class NodeConfig:
-    node_id: str
-    listen_address: str
-    router_address: str
-    advertise_address: str | None = None  # where others reach listen_address (default: it)
-    heartbeat_interval: float = 0.5
+    """Each field's `option` metadata gives its flag and help (wire/config_flags.py); fields
+    without one (the stall limit, the cluster secret's keys) are set by code."""
+
+    node_id: str = option(
+        flag="--node-id", launcher_sets=True,
+        help="the node's name; shared-memory segments are named after it (required)",
+    )
+    listen_address: str = option(
+        flag="--listen", launcher_sets=True, metavar="ADDR",
+        help="the ZeroMQ address to bind, e.g. tcp://HOST:PORT (required)",
+    )
+    router_address: str = option(
+        flag="--router", launcher_sets=True, metavar="ADDR",
+        help="the router's PULL address (required)",
+    )
+    advertise_address: str | None = option(
+        None, flag="--advertise", launcher_sets=True, metavar="ADDR",
+        help="the address others reach --listen at (default: --listen)",
+    )
+    heartbeat_interval: float = option(
+        0.5, flag="--heartbeat-interval", metavar="SECONDS",
+        help="how often each node tells the router it is alive",
+    )
     stall_limit_s: float = DEFAULT_STALL_LIMIT_S  # no progress this long: heartbeats stop
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
-    kv_transport: str = "shm"
-    kv_listen_address: str = "tcp://127.0.0.1:0"  # the decode node's KV channel
-    transfer_timeout_s: float = 30.0  # a KV transfer, from its first write; then first token
-    queue_timeout_s: float = 120.0  # the wait for KV blocks, then for the prefill to start
+    kv_transport: str = option(
+        "shm", flag="--kv-transport", launcher_sets=True, roles=KV_SENDERS,
+        help="how KV moves between prefill and decode nodes: shm, zmq or cuda_ipc",
+    )
+    kv_listen_address: str = option(
+        "tcp://127.0.0.1:0", flag="--kv-listen", launcher_sets=True, roles=("decode",),
+        metavar="ADDR", help="the decode node's KV channel bind address",
+    )
+    transfer_timeout_s: float = option(
+        30.0, flag="--transfer-timeout", roles=("decode",), metavar="SECONDS",
+        help="a KV transfer's deadline, from its first block's write, and the deadline of "
+        "the first token after the KV arrived",
+    )
+    queue_timeout_s: float = option(
+        120.0, flag="--queue-timeout", roles=("decode",), metavar="SECONDS",
+        help="how long a request may wait on a decode node for free KV blocks, then for its "
+        "prefill node to start on it",
+    )
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "stall_limit_s", "transfer_timeout_s", "queue_timeout_s"):

@@ -23,24 +23,11 @@ NODE_ROLES = ("colocated", "prefill", "decode")
 
 def _make_llm(args: argparse.Namespace):
     from engine import LLM
+    from engine.config import EngineConfig
+    from wire.config_flags import given
 
-    device_options = {"cuda_graphs": False} if args.enforce_eager else {}
-    if args.attention_backend is not None:
-        device_options["attention_backend"] = args.attention_backend
-    if args.gpu_memory_utilization is not None:
-        device_options["gpu_memory_utilization"] = args.gpu_memory_utilization
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_cache_min_blocks=args.prefix_cache_min_blocks,
-        **device_options,
-    )
+    options = given(EngineConfig, args)
+    return LLM(options.pop("model", None), **options)
 
 
 def _params(args: argparse.Namespace):
@@ -104,11 +91,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.launcher import check_cluster_settings, serve
+    from pdserve.launcher import check_cluster_settings, check_node_settings, serve
 
     try:
         check_serve_flags(args)
         check_cluster_settings(args)
+        check_node_settings(args)
         if args.chat_template is not None:
             from text.tokenizer import read_chat_template
 

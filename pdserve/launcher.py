@@ -36,6 +36,8 @@ never on their command line (which `ps` shows to every user).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import secrets
 import signal
@@ -48,11 +50,13 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pdserve.child_logs import ChildLogs
 from pdserve.model_source import ServedModel, check_model_folder, resolve_served_model
-from pdserve.serve_flags import ROUTER_LOG_FLAGS, ROUTER_LOG_SWITCHES
 from pdserve.supervisor import Deployment
+from wire.config_flags import given, in_flag_terms
+from wire.log_format import LogSettings
 
 READY_TIMEOUT_S = 600.0
 ROUTER_LIMITS = (
@@ -70,34 +74,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = []
-    for name in (
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "kv_cache_memory",
-        "prefix_cache_min_blocks",
-        "attention_backend",
-        "load_format",
-        "dtype",
-        "seed",
-        "gpu_memory_utilization",
-        "preemption_mode",
-        "swap_space",
-        "admission",
-        "admission_quantile",
-    ):
-        value = getattr(args, name)
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    if not args.enable_prefix_caching:
-        flags.append("--no-enable-prefix-caching")
-    if args.enforce_eager:
-        flags.append("--enforce-eager")
-    if args.priority_aging_s is not None:
-        flags += ["--priority-aging-seconds", str(args.priority_aging_s)]
-    return flags
+def node_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The node options given to `pdserve serve`, as field values (node/cli.py's
+    PDSERVE_NODE_CONFIG parts); each node's own addresses and device are added per node."""
+    from engine.config import EngineConfig
+    from node.config import NodeConfig
+
+    def for_nodes(f: dataclasses.Field) -> bool:  # not the launcher's own, not the router's
+        roles = f.metadata.get("roles")
+        node_role = roles is None or bool({"colocated", "prefill", "decode"} & set(roles))
+        return node_role and not f.metadata.get("launcher_sets")
+
+    return {
+        "engine": given(EngineConfig, args, select=for_nodes),
+        "node": given(NodeConfig, args, select=for_nodes),
+        "log": given(LogSettings, args, select=for_nodes),
+    }
+
+
+def check_node_settings(args: argparse.Namespace) -> None:
+    """ValueError, with the field and its value, for a node option out of range: checked by
+    the dataclasses themselves, before any process starts."""
+    from engine.config import EngineConfig
+    from node.config import NodeConfig
+
+    settings = node_settings(args)
+    addresses = {"node_id": "-", "listen_address": "-", "router_address": "-"}
+    try:
+        EngineConfig(**settings["engine"], device="cpu")
+    except ValueError as error:
+        raise ValueError(in_flag_terms(EngineConfig, str(error))) from None
+    try:
+        node = NodeConfig(**settings["node"], **addresses)
+    except ValueError as error:
+        raise ValueError(in_flag_terms(NodeConfig, str(error))) from None
+    if args.node_timeout is not None and args.node_timeout <= node.heartbeat_interval:
+        raise ValueError(
+            f"--node-timeout {args.node_timeout:g} must exceed --heartbeat-interval "
+            f"{node.heartbeat_interval:g}"
+        )
 
 
 def check_cluster_settings(args: argparse.Namespace) -> None:
@@ -132,9 +147,13 @@ def wait_healthy(url: str, exited: Callable[[], bool], timeout_s: float) -> None
 
 @dataclass
 class NodePlan:
+    """One node process: its argv names the module alone; its settings travel as data in
+    `env` (node/cli.py's PDSERVE_NODE_CONFIG, `config` as JSON), beside its GPUs."""
+
     name: str
     argv: list[str]
     address: str
+    config: dict[str, dict[str, Any]]
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -185,40 +204,44 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     """One process per node; on a GPU host each runs on one GPU (see the module docstring for
     which and what else it sees), on a CPU host on an equal share of the cores unless
     `--threads-per-node` says otherwise."""
-    python = sys.executable
-    common = ["--model", model, "--router", router_address, *_engine_flags(args)]
-    common += ["--heartbeat-interval", str(args.heartbeat_interval)]
-    transport = None
+    from node.config import CONFIG_ENV
+
+    settings = node_settings(args)
+    engine = {**settings["engine"], "model": model}
+    node = {**settings["node"], "router_address": router_address}
     if args.colocated:
-        roles = [("colocated", "colocated_node", [])]
+        roles = [("colocated", "colocated_node")]
     else:
-        transport = choose_kv_transport(args.kv_transport)
-        roles = [("prefill", "prefill_node", ["--kv-transport", transport])] * args.prefill
-        decode_flags = ["--kv-transport", transport]
-        decode_flags += ["--transfer-timeout", str(args.transfer_timeout)]
-        decode_flags += ["--queue-timeout", str(args.queue_timeout)]
-        roles += [("decode", "decode_node", decode_flags)] * args.decode
+        node["kv_transport"] = choose_kv_transport(args.kv_transport)
+        roles = [("prefill", "prefill_node")] * args.prefill
+        roles += [("decode", "decode_node")] * args.decode
     gpus = launcher_gpus(os.environ, _gpu_count())
-    placements = place_on_gpus(len(roles), gpus, transport == "cuda_ipc") if gpus else None
+    see_every_gpu = node.get("kv_transport") == "cuda_ipc"
+    placements = place_on_gpus(len(roles), gpus, see_every_gpu) if gpus else None
     threads = args.threads_per_node
     if threads is None and not gpus:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, (cores or 1) // len(roles))
     if threads is not None:
-        common += ["--num-threads", str(threads)]
+        engine["num_threads"] = threads
     plans, counts = [], dict.fromkeys(("colocated", "prefill", "decode"), 0)
-    for index, (role, module, flags) in enumerate(roles):
+    for index, (role, module) in enumerate(roles):
         # Unique per deployment on this host: shared-memory segments are named by node id.
         node_id = f"{role}-{counts[role]}.{args.port}"
         counts[role] += 1
         address = f"tcp://127.0.0.1:{free_port()}"
-        argv = [python, "-m", module, "--node-id", node_id, "--listen", address, *common, *flags]
+        config = {
+            "engine": dict(engine),
+            "node": {**node, "node_id": node_id, "listen_address": address},
+            "log": settings["log"],
+        }
         env = {}
         if placements is not None:
             placement = placements[index]
             env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.visible_devices)
-            argv += ["--processes-on-device", str(placement.processes_on_device)]
-        plans.append(NodePlan(node_id, argv, address, env))
+            config["engine"]["processes_on_device"] = placement.processes_on_device
+        env[CONFIG_ENV] = json.dumps(config)
+        plans.append(NodePlan(node_id, [sys.executable, "-m", module], address, config, env))
     return plans
 
 
@@ -248,11 +271,18 @@ def router_flags(args: argparse.Namespace, served: ServedModel) -> list[str]:
         flags += ["--chat-template", args.chat_template]
     if args.api_key:
         flags += ["--api-key", args.api_key]
-    for name in (*ROUTER_LIMITS, *ROUTER_LOG_FLAGS):  # router/config.py, router/log_format.py
+    for name in ROUTER_LIMITS:  # router/config.py
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    flags += [f"--{name.replace('_', '-')}" for name in ROUTER_LOG_SWITCHES if getattr(args, name)]
+    for name in ("disable_log_requests", "disable_log_stats"):
+        if getattr(args, name):
+            flags.append(f"--{name.replace('_', '-')}")
     return flags
+
+
+def router_env(args: argparse.Namespace) -> dict[str, str]:
+    """The router's LogSettings as data (router/__main__.py's PDSERVE_ROUTER_CONFIG)."""
+    return {"PDSERVE_ROUTER_CONFIG": json.dumps({"log": given(LogSettings, args)})}
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -272,7 +302,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pdserve: process logs in {logs.folder} (--verbose: here)", flush=True)
     deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs)
     ready = False
-    node_timeout = args.node_timeout or 2 * args.heartbeat_interval
+    from node.config import NodeConfig
+
+    heartbeat = NodeConfig(**nodes[0].config["node"]).heartbeat_interval
+    node_timeout = args.node_timeout or 2 * heartbeat
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -300,7 +333,7 @@ def serve(args: argparse.Namespace) -> int:
         ]
         for node in nodes:
             router_argv += ["--node", f"{node.name}={node.address}"]
-        deployment.start("router", router_argv, secret_env, is_node=False)
+        deployment.start("router", router_argv, {**router_env(args), **secret_env}, is_node=False)
         url = f"http://{args.host}:{args.port}"
         try:
             wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)

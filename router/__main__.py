@@ -4,8 +4,9 @@ Runs the app on uvicorn with uvloop and prints one line, "pdserve router listeni
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
 OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining. The
 cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here, once.
-Logging (`--log-level`, `--log-format text|json`, `--uvicorn-log-level`) is set up here, once,
-for the whole process (router/log_format.py); uvicorn's loggers write through the same handler.
+Logging (`--log-level`, `--log-format text|json`, `--uvicorn-log-level`, generated from
+LogSettings; `pdserve serve` hands them as JSON in $PDSERVE_ROUTER_CONFIG) is set up here, once,
+for the whole process (wire/log_format.py); uvicorn's loggers write through the same handler.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import os
 import sys
 from typing import Any
@@ -24,9 +26,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from router.app import create_app
 from router.config import RouterConfig
 from router.drain import DrainingServer
-from router.log_format import LOG_FORMATS, LOG_LEVELS, LogSettings
 from text.tokenizer import read_chat_template
 from wire.cluster_auth import SECRET_ENV, ClusterAuth
+from wire.config_flags import add_flags, build
+from wire.log_format import LogSettings
 
 # Connections: one idle between requests (or since it opened) is closed after
 # KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within
@@ -37,6 +40,9 @@ KEEP_ALIVE_TIMEOUT_S = 5
 REQUEST_HEAD_TIMEOUT_S = 10.0
 REQUEST_BODY_TIMEOUT_S = 60.0
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
+# `pdserve serve` hands the router settings as JSON here: {"log": {LogSettings field: value}};
+# flags given override them.
+CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
 
 
 class RequestDeadlineH11Protocol(H11Protocol):
@@ -246,20 +252,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, LogSettings
         action="store_true",
         help="no periodic stats line per node (vLLM's spelling)",
     )
-    parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
-    parser.add_argument(
-        "--log-format",
-        default="text",
-        choices=LOG_FORMATS,
-        help="text, or json: one object per line with ts, level, logger, message (default text)",
-    )
-    parser.add_argument(
-        "--uvicorn-log-level",
-        default="warning",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        help="uvicorn's own loggers; at info they add uvicorn's access lines (default warning)",
-    )
+    add_flags(parser, LogSettings)
     args = parser.parse_args(argv)
     names = args.served_model_name or [None]
     try:
@@ -287,7 +280,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, LogSettings
         )
     except ValueError as error:
         parser.error(str(error))
-    return config, LogSettings(args.log_level, args.log_format, args.uvicorn_log_level)
+    try:
+        launched = json.loads(os.environ.get(CONFIG_ENV) or "{}")
+        log = build(LogSettings, args, launched.get("log") if isinstance(launched, dict) else None)
+    except (ValueError, TypeError) as error:
+        parser.error(f"${CONFIG_ENV}: {error}")
+    return config, log
 
 
 async def serve(config: RouterConfig, log: LogSettings) -> None:

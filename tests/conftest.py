@@ -28,6 +28,7 @@ PROCESS_MODULES = (
     "cli/test_launcher.py",
     "cli/test_packaging.py",
     "cli/test_plan.py",
+    "cli/test_wheel_install.py",
     "kvtransfer/test_cuda_ipc.py",
     "kvtransfer/test_failures.py",
     "kvtransfer/test_inprocess.py",

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvtransfer.transports import cuda_ipc
-from node.cli import engine_config, node_parser
 from pdserve.cli import build_parser
 from pdserve.launcher import launcher_gpus, place_on_gpus, plan_nodes
+from tests.cli.test_serve_flags import child_configs
 
 
 def fake_gpus(monkeypatch, count: int, visible: str | None) -> None:
@@ -28,8 +28,9 @@ def plan(*flags: str):
     return plan_nodes(args, "m", "tcp://127.0.0.1:1")
 
 
-def flag_value(argv: list[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv else None
+def setting(node, part: str, name: str):
+    """A field value the launcher hands the node as data (None: left to the node)."""
+    return node.config[part].get(name)
 
 
 def visible_in(node) -> list[str]:
@@ -46,11 +47,11 @@ def child_view(monkeypatch, visible: list[str]) -> None:
 def test_the_launchers_visible_uuids_map_one_node_to_each_in_order(monkeypatch):
     fake_gpus(monkeypatch, 2, "GPU-aaaa, GPU-bbbb")
     prefill, decode = plan()  # auto transport on CUDA: cuda_ipc
-    assert flag_value(prefill.argv, "--kv-transport") == "cuda_ipc"
+    assert setting(prefill, "node", "kv_transport") == "cuda_ipc"
     assert visible_in(prefill) == ["GPU-aaaa", "GPU-bbbb"]
     assert visible_in(decode) == ["GPU-bbbb", "GPU-aaaa"]
-    assert flag_value(prefill.argv, "--processes-on-device") == "1"
-    assert flag_value(decode.argv, "--processes-on-device") == "1"
+    assert setting(prefill, "engine", "processes_on_device") == 1
+    assert setting(decode, "engine", "processes_on_device") == 1
 
 
 def test_under_cuda_ipc_the_prefill_node_finds_the_decode_nodes_gpu(monkeypatch):
@@ -78,7 +79,7 @@ def test_nodes_outnumbering_gpus_wrap_and_count_who_shares_each(monkeypatch):
     fake_gpus(monkeypatch, 2, None)
     nodes = plan("--prefill", "2", "--decode", "3", "--kv-transport", "cuda_ipc")
     assert [visible_in(n)[0] for n in nodes] == ["0", "1", "0", "1", "0"]
-    assert [flag_value(n.argv, "--processes-on-device") for n in nodes] == list("32323")
+    assert [setting(n, "engine", "processes_on_device") for n in nodes] == [3, 2, 3, 2, 3]
     assert all(sorted(visible_in(n)) == ["0", "1"] for n in nodes)
 
 
@@ -87,8 +88,8 @@ def test_one_gpu_is_shared_by_a_prefill_and_a_decode_node(monkeypatch):
     prefill, decode = plan("--gpu-memory-utilization", "0.8")
     assert visible_in(prefill) == visible_in(decode) == ["GPU-only"]
     for node in (prefill, decode):
-        assert flag_value(node.argv, "--processes-on-device") == "2"
-        assert flag_value(node.argv, "--gpu-memory-utilization") == "0.8"
+        assert setting(node, "engine", "processes_on_device") == 2
+        assert setting(node, "engine", "gpu_memory_utilization") == 0.8
 
 
 def test_a_node_sees_only_the_gpus_some_node_uses(monkeypatch):
@@ -101,15 +102,15 @@ def test_colocated_node_gets_the_first_visible_gpu(monkeypatch):
     fake_gpus(monkeypatch, 2, "5,6")
     (node,) = plan("--colocated")
     assert visible_in(node) == ["5"]
-    assert flag_value(node.argv, "--processes-on-device") == "1"
+    assert setting(node, "engine", "processes_on_device") == 1
 
 
 def test_cpu_host_sets_no_device(monkeypatch):
     fake_gpus(monkeypatch, 0, None)
     for node in plan():
         assert "CUDA_VISIBLE_DEVICES" not in node.env
-        assert "--processes-on-device" not in node.argv
-        assert flag_value(node.argv, "--kv-transport") == "shm"
+        assert setting(node, "engine", "processes_on_device") is None
+        assert setting(node, "node", "kv_transport") == "shm"
 
 
 def test_launcher_gpus_follow_what_cuda_would_use():
@@ -126,9 +127,7 @@ def test_serve_device_flags_reach_each_nodes_engine_config(monkeypatch):
     nodes = plan("--attention-backend", "triton", "--enforce-eager",
                  "--gpu-memory-utilization", "0.7", "--load-format", "dummy")
     for node in nodes:
-        flags = node.argv[3:]  # after: python -m MODULE
-        args, _role_flags = node_parser("node", "").parse_known_args(flags)
-        config = engine_config(args)
+        config = child_configs(node)[0]
         assert (config.attention_backend, config.cuda_graphs) == ("triton", False)
         assert (config.gpu_memory_utilization, config.processes_on_device) == (0.7, 2)
         assert config.load_format == "dummy"

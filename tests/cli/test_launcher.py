@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,10 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
     port = free_port()
     # MODEL positional; once, a second served name (the first stays the one listed).
     aliases = ["--served-model-name", tiny_llama_dir.name, "alias"] if signum == signal.SIGINT else []
+    # A non-default engine option, handed to the nodes as data, comes back in their NodeStats.
     launcher = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port", str(port),
-         *aliases],
+         "--max-model-len", "96", *aliases],
         stdout=subprocess.PIPE, text=True,
     )
     children: list[int] = []
@@ -38,6 +40,7 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
         # MODEL as a path is served by its folder's name (as the README's request names it).
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"]
         assert [card["id"] for card in models] == [tiny_llama_dir.name]
+        assert models[0]["max_model_len"] == 96
         for name in [tiny_llama_dir.name, *aliases[2:]]:
             body = {"model": name, "prompt": "hi", "max_tokens": 1}
             response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
@@ -69,11 +72,27 @@ def test_a_folder_that_is_no_model_is_refused_before_any_process_starts(tmp_path
     assert launcher.stderr.strip() == f"pdserve: {tmp_path} is not a model folder: it has no config.json"
 
 
-def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llama_dir):
+def test_a_node_setting_out_of_range_is_refused_before_any_process_starts(tiny_llama_dir):
+    """The launcher builds each node's EngineConfig once before starting it: the dataclass's
+    own check, in the flag's terms, with `pdserve serve`'s usage."""
+    launcher = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port",
+         str(free_port()), "--colocated", "--max-num-seqs", "0"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert launcher.returncode == 2
+    assert "Traceback" not in launcher.stderr
+    assert "pdserve serve: error: --max-num-seqs must be >= 1, got 0" in launcher.stderr
+
+
+def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llama_dir, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")  # only loading finds it
     port = free_port()
     launcher = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port", str(port),
-         "--colocated", "--max-num-seqs", "0"],  # the node refuses it; the launcher does not
+        [sys.executable, "-m", "pdserve.cli", "serve", str(folder), "--port", str(port),
+         "--colocated"],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert launcher.returncode == 1
@@ -81,10 +100,11 @@ def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llam
     lines = launcher.stderr.strip().splitlines()
     assert len(lines) == 1, launcher.stderr
     match = re.fullmatch(
-        rf"pdserve: (colocated-0\.{port}) exited with status 2 during start-up: (.*) "
+        rf"pdserve: (colocated-0\.{port}) exited with status (\d+) during start-up: (.*) "
         r"\(full log: (.*)\)",
         lines[0],
     )
     assert match is not None, lines[0]
-    assert "invalid settings: max_num_seqs must be >= 1, got 0" in match[2]
-    assert match[2] in Path(match[3]).read_text()
+    assert match[2] != "0" and match[3].strip()
+    log = Path(match[4]).read_text()
+    assert match[3] in log and "Traceback" in log

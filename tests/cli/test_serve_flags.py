@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import add_kv_flags, engine_config, node_parser
+from node.cli import add_kv_flags, configs, node_parser
 from pdserve.cli import build_parser, main
-from pdserve.launcher import plan_nodes, router_flags
+from pdserve.launcher import plan_nodes, router_env, router_flags
 from pdserve.model_source import ServedModel, resolve_served_model
 from pdserve.serve_flags import check_serve_flags
 from router.__main__ import parse_args as parse_router_args
@@ -24,15 +24,20 @@ def serve_args(flags: list[str]):
     return args
 
 
+def child_configs(plan):
+    """(EngineConfig, NodeConfig, LogSettings) as the planned node process builds them: its
+    argv parsed by its own parser, its environment's PDSERVE_NODE_CONFIG under it."""
+    module, node_argv = plan.argv[2], plan.argv[3:]
+    parser = node_parser(f"python -m {module}", "")
+    if module != "colocated_node":
+        add_kv_flags(parser, receiver=module == "decode_node")
+    return configs(parser.parse_args(node_argv), plan.env)
+
+
 def node_engine_configs(args, model: str = "/models/tiny"):
-    configs = []
-    for plan in plan_nodes(args, model, "tcp://127.0.0.1:26990"):
-        module, node_argv = plan.argv[2], plan.argv[3:]
-        parser = node_parser(f"python -m {module}", "")
-        if module != "colocated_node":
-            add_kv_flags(parser, receiver=module == "decode_node")
-        configs.append(engine_config(parser.parse_args(node_argv)))
-    return configs
+    return [
+        child_configs(plan)[0] for plan in plan_nodes(args, model, "tcp://127.0.0.1:26990")
+    ]
 
 
 @pytest.mark.parametrize("layout", [[], ["--colocated"]])
@@ -115,16 +120,28 @@ def test_bad_serve_flags_print_pdserve_serve_usage(capsys, flags, message):
     assert message in err
 
 
-def test_router_logging_flags_reach_the_router():
+def test_router_logging_flags_reach_the_router(monkeypatch):
     args = serve_args(["--log-format", "json", "--uvicorn-log-level", "info",
-                       "--disable-log-requests", "--log-level", "warning"])
+                       "--disable-log-requests", "--log-level", "WARNING"])
     argv = router_flags(args, ServedModel(Path("/m/x"), ("x",)))
-    assert argv[argv.index("--log-format") + 1] == "json"
-    assert argv[argv.index("--uvicorn-log-level") + 1] == "info"
-    assert argv[argv.index("--log-level") + 1] == "warning"
     assert "--disable-log-requests" in argv and "--disable-log-stats" not in argv
+    for name, value in router_env(args).items():
+        monkeypatch.setenv(name, value)
+    config, log = parse_router_args(
+        [*argv, "--node", "tcp://127.0.0.1:26991", "--listen", "tcp://127.0.0.1:26992"]
+    )
+    assert (log.level, log.log_format, log.uvicorn_level) == ("warning", "json", "info")
+    assert config.log_requests is False and config.log_stats is True
     defaults = router_flags(serve_args([]), ServedModel(Path("/m/x"), ("x",)))
-    assert "--log-format" not in defaults and "--disable-log-requests" not in defaults
+    assert "--disable-log-requests" not in defaults
+    assert router_env(serve_args([])) == {"PDSERVE_ROUTER_CONFIG": '{"log": {}}'}
+
+
+def test_log_format_reaches_every_node():
+    for plan in plan_nodes(serve_args(["--log-format", "json", "--log-level", "debug",
+                                       "--kv-transport", "shm"]), "/m", "tcp://127.0.0.1:1"):
+        log = child_configs(plan)[2]
+        assert (log.log_format, log.level) == ("json", "debug")
 
 
 def test_a_chat_template_given_replaces_the_model_folders(tiny_llama_dir):

@@ -97,7 +97,8 @@ def test_generate_flags_reach_the_llm(monkeypatch, cuda_available):
     assert made["config"].attention_backend == "torch"
 
 
-def test_serve_refuses_a_memory_fraction_outside_zero_to_one():
+def test_serve_refuses_a_memory_fraction_outside_zero_to_one(capsys):
     args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "1.2"])
-    with pytest.raises(ValueError, match=r"--gpu-memory-utilization must be in \(0, 1\], got 1.2"):
+    with pytest.raises(SystemExit):
         cmd_serve(args)
+    assert "--gpu-memory-utilization must be in (0, 1], got 1.2" in capsys.readouterr().err

@@ -189,7 +189,10 @@ def test_slow_and_stalled_clients_are_cut_off_without_slowing_other_streams(clus
         f"a stalled client {[round(p * 1e3, 2) for p in with_slow_clients]} ms; router RSS "
         f"{rss_before >> 20} -> {rss_during >> 20} MiB; buffers full after {buffer_full_at:.1f} s"
     )
-    # Medians of ROUNDS rounds each: single P99s swing by more than 20% on a shared CPU.
-    assert statistics.median(with_slow_clients) <= 1.2 * statistics.median(baseline) + 0.001
+    # Medians of ROUNDS rounds each: single P99s swing by more than 20% on a shared CPU, and
+    # the two measurements are taken a few seconds apart, under whatever else the machine runs
+    # then. A router that waited on a slow client would add its whole stall (seconds) to
+    # every stream; the bound leaves room for that noise and still catches it.
+    assert statistics.median(with_slow_clients) <= 1.5 * statistics.median(baseline) + 0.005
     assert rss_during - rss_before < 64 << 20
     assert cluster.alive()

@@ -14,9 +14,9 @@ from router.__main__ import parse_args
 from router.access_log import request_id_from
 from router.app import create_app
 from router.config import RouterConfig
-from router.log_format import JSONFormatter, LogSettings
 from router.stats_log import StatsLog
 from tests.router.test_streaming import MODEL, run_with_node
+from wire.log_format import JSONFormatter, LogSettings
 from wire.messages import NodeStats
 
 ACCESS_LOGGER = "router.access_log"

@@ -1,5 +1,6 @@
-"""How the router process logs: `LogSettings` (from `--log-level`, `--log-format text|json`,
-`--uvicorn-log-level`), applied once by `python -m router` to the root logger.
+"""How every pdserve process logs: `LogSettings` (from `--log-level`, `--log-format text|json`,
+and in the router `--uvicorn-log-level`), applied once by `python -m router` and by each node
+(node/cli.py) to the root logger.
 
 Text: `TIME LEVEL LOGGER: MESSAGE`. JSON: one object per line with `ts` (ISO 8601, UTC),
 `level`, `logger` and `message`, plus the fields a record carries in `fields` (the access line
@@ -16,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+
+from wire.config_flags import option
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -45,9 +48,20 @@ class JSONFormatter(logging.Formatter):
 
 @dataclass
 class LogSettings:
-    level: str = "info"
-    log_format: str = "text"
-    uvicorn_level: str = "warning"
+    """Flags generated from the `option` metadata (wire/config_flags.py)."""
+
+    level: str = option(
+        "info", flag="--log-level", type=str.lower, choices=LOG_LEVELS, help="log level"
+    )
+    log_format: str = option(
+        "text", flag="--log-format", choices=LOG_FORMATS,
+        help="text, or json: one object per line with ts, level, logger, message",
+    )
+    uvicorn_level: str = option(
+        "warning", flag="--uvicorn-log-level", type=str.lower, choices=LOG_LEVELS,
+        roles=("router",), help="uvicorn's own loggers in the router; at info they add "
+        "uvicorn's access lines",
+    )
 
     def __post_init__(self) -> None:
         self.level, self.uvicorn_level = self.level.lower(), self.uvicorn_level.lower()

@@ -1,0 +1,116 @@
+"""One source of configuration: every operator option of EngineConfig and NodeConfig, given a
+non-default value on `pdserve serve`'s command line, reaches the config each planned node
+builds, field by field; and a field added with flag metadata appears on every command line
+without a hand-written flag (wire/config_flags.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import engine.config
+import node.cli
+from engine.config import EngineConfig
+from node.config import CONFIG_ENV, NodeConfig
+from pdserve.cli import build_parser
+from pdserve.launcher import plan_nodes
+from tests.cli.test_serve_flags import child_configs, serve_args
+from wire.config_flags import build, option, options
+
+# field -> (the flags `pdserve serve` gets, the field value each node must build): a new
+# option fails test_every_option_has_a_case until it gets one here.
+ENGINE_CASES = {
+    "dtype": (["--dtype", "float16"], "float16"),
+    "load_format": (["--load-format", "dummy"], "dummy"),
+    "block_size": (["--block-size", "32"], 32),
+    "max_num_batched_tokens": (["--max-num-batched-tokens", "300"], 300),
+    "max_num_seqs": (["--max-num-seqs", "7"], 7),
+    "max_model_len": (["--max-model-len", "512"], 512),
+    "kv_cache_memory": (["--kv-cache-memory", "1048576"], 1 << 20),
+    "num_kv_blocks": (["--num-kv-blocks", "40"], 40),
+    "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
+    "attention_backend": (["--attention-backend", "triton"], "triton"),
+    "cuda_graphs": (["--enforce-eager"], False),
+    "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
+    "prefix_cache_min_blocks": (["--prefix-cache-min-blocks", "3"], 3),
+    "seed": (["--seed", "42"], 42),
+    "preemption_mode": (["--preemption-mode", "swap"], "swap"),
+    "swap_space": (["--swap-space", "0.5"], 1 << 29),  # GiB on the command line, bytes here
+    "admission": (["--admission", "predicted"], "predicted"),
+    "admission_quantile": (["--admission-quantile", "0.5"], 0.5),
+    "priority_aging_s": (["--priority-aging-seconds", "2.5"], 2.5),
+}
+NODE_CASES = {
+    "heartbeat_interval": (["--heartbeat-interval", "0.25"], 0.25),
+    "transfer_timeout_s": (["--transfer-timeout", "7"], 7.0),
+    "queue_timeout_s": (["--queue-timeout", "9"], 9.0),
+}
+
+
+def serve_options(cls: type) -> set[str]:
+    return {f.name for f in options(cls) if not f.metadata.get("launcher_sets")}
+
+
+def test_every_option_has_a_case():
+    assert serve_options(EngineConfig) == set(ENGINE_CASES)
+    assert serve_options(NodeConfig) == set(NODE_CASES)
+
+
+@pytest.mark.parametrize("layout", [["--kv-transport", "shm"], ["--colocated"]])
+def test_every_serve_option_reaches_every_planned_node_field_by_field(layout):
+    cases = {**ENGINE_CASES, **NODE_CASES}
+    flags = [flag for argv, _ in cases.values() for flag in argv]
+    args = serve_args(["/models/tiny", *layout, "--threads-per-node", "2", *flags])
+    plans = plan_nodes(args, "/models/tiny", "tcp://127.0.0.1:27001")
+    assert len(plans) == (1 if "--colocated" in layout else 2)
+    for plan in plans:
+        engine, node, _log = child_configs(plan)
+        want_engine = {name: value for name, (_, value) in ENGINE_CASES.items()}
+        expected_engine = EngineConfig(model="/models/tiny", num_threads=2, **want_engine)
+        for f in dataclasses.fields(EngineConfig):
+            assert getattr(engine, f.name) == getattr(expected_engine, f.name), f.name
+        want_node = {name: value for name, (_, value) in NODE_CASES.items()}
+        expected_node = NodeConfig(
+            node_id=plan.name, listen_address=plan.address, router_address="tcp://127.0.0.1:27001",
+            kv_transport="shm", **want_node,
+        )
+        for f in dataclasses.fields(NodeConfig):
+            assert getattr(node, f.name) == getattr(expected_node, f.name), f.name
+        # Handed over as data, in field units, and not on the command line.
+        assert json.loads(plan.env[CONFIG_ENV])["engine"]["swap_space"] == 1 << 29
+        assert plan.argv[1:] == ["-m", plan.argv[2]]
+
+
+def test_flags_given_to_a_node_override_its_launcher_config():
+    plan = plan_nodes(serve_args(["--colocated", "--max-num-seqs", "7"]), "/m", "tcp://127.0.0.1:1")[0]
+    parser = node.cli.node_parser("python -m colocated_node", "")
+    engine, config, _ = node.cli.configs(parser.parse_args(["--max-num-seqs", "9"]), plan.env)
+    assert (engine.max_num_seqs, engine.model, config.node_id) == (9, "/m", plan.name)
+
+
+def test_a_node_started_directly_needs_its_addresses():
+    parser = node.cli.node_parser("python -m colocated_node", "")
+    with pytest.raises(ValueError, match="--node-id, --listen, --router are required"):
+        node.cli.configs(parser.parse_args([]), {})
+    with pytest.raises(ValueError, match="no option bogus"):
+        node.cli.configs(parser.parse_args([]), {CONFIG_ENV: '{"engine": {"bogus": 1}}'})
+
+
+def test_a_field_with_flag_metadata_appears_on_every_command_line(monkeypatch, capsys):
+    @dataclasses.dataclass
+    class WithNewOption(EngineConfig):
+        new_knob: int = option(3, flag="--new-knob", help="an option added in one place")
+
+    monkeypatch.setattr(engine.config, "EngineConfig", WithNewOption)
+    monkeypatch.setattr(node.cli, "EngineConfig", WithNewOption)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "--new-knob NEW_KNOB" in capsys.readouterr().out
+    assert "--new-knob" in node.cli.node_parser("node", "").format_help()
+    args = serve_args(["--colocated", "--new-knob", "5"])
+    plan = plan_nodes(args, "/m", "tcp://127.0.0.1:1")[0]
+    engine_built = child_configs(plan)[0]
+    assert isinstance(engine_built, WithNewOption) and engine_built.new_knob == 5
+    assert build(WithNewOption).new_knob == 3
