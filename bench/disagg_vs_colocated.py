@@ -13,6 +13,7 @@ TTFT + TPOT SLO, with the ratios; writes bench/results/disagg_vs_colocated.md an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import time
 from pathlib import Path
@@ -74,6 +75,10 @@ def say(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # the plot is the run's last step
+        raise SystemExit(
+            "python -m bench.disagg_vs_colocated: needs matplotlib for its plot: pip install 'pdserve[bench]'"
+        )
     machine = machine_info()
     vocab = vocabulary(args.model)
     results: dict[str, dict[float, dict]] = {}

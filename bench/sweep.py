@@ -19,6 +19,7 @@ a colocated node's two threads slow down many times over when other processes ta
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import time
@@ -129,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     from bench.sweep_report import build_report, plot
 
     args = parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # the plot is the run's last step
+        raise SystemExit(
+            "python -m bench.sweep: needs matplotlib for its plot: pip install 'pdserve[bench]'"
+        )
     machine = machine_info()
     try:
         vocab = load_vocabulary(args.tokenizer or args.model, args.vocab_size)
