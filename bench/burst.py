@@ -47,6 +47,7 @@ from bench.burst_report import markdown
 from bench.serve_metrics import percentile
 from bench.sweep import CONFIGS as DEPLOYMENTS
 from bench.sweep import say
+from node.config import CONFIG_ENV as NODE_CONFIG_ENV
 from pdserve.serve_process import ServeProcess
 
 RESULTS = Path(__file__).parent / "results"
@@ -290,10 +291,14 @@ def status_kib(pid: int, name: str) -> int | None:
     return None
 
 
-def process_label(argv: list[str]) -> str:
-    """`router`, or a node's id without its per-deployment suffix (`prefill-0`)."""
+def process_label(argv: list[str], node_config: str | None = None) -> str:
+    """`router`, or a node's id without its per-deployment suffix (`prefill-0`): from its
+    command line, or from the settings `pdserve serve` hands it as data (`node_config`, the
+    JSON of its PDSERVE_NODE_CONFIG)."""
     if "--node-id" in argv[:-1]:
         return argv[argv.index("--node-id") + 1].split(".")[0]
+    if node_config is not None:
+        return json.loads(node_config)["node"]["node_id"].split(".")[0]
     if "-m" in argv[:-1]:
         return argv[argv.index("-m") + 1]
     return Path(argv[0]).name if argv else "?"
@@ -313,9 +318,16 @@ def server_processes(launcher_pid: int) -> dict[str, int]:
                 continue
             with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
                 argv = [a.decode(errors="replace") for a in cmdline.read().split(b"\0") if a]
-        except (OSError, ValueError, IndexError):
+            with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                prefix = f"{NODE_CONFIG_ENV}=".encode()
+                config = next(
+                    (e[len(prefix) :].decode() for e in environ.read().split(b"\0")
+                     if e.startswith(prefix)),
+                    None,
+                )
+            label = process_label(argv, config)
+        except (OSError, ValueError, IndexError, KeyError):
             continue
-        label = process_label(argv)
         found[label if label not in found else f"{label} ({entry.name})"] = int(entry.name)
     return dict(sorted(found.items()))
 

@@ -92,15 +92,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.launcher import check_cluster_settings, check_node_settings, serve
+    from pdserve.router_plan import check_router_settings
 
     try:
         check_serve_flags(args)
         check_cluster_settings(args)
         check_node_settings(args)
-        if args.chat_template is not None:
-            from text.tokenizer import read_chat_template
-
-            read_chat_template(args.chat_template)
+        check_router_settings(args)
     except ValueError as error:
         args.parser.error(str(error))
     return serve(args)

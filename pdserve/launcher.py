@@ -30,7 +30,9 @@ shared-memory segment is gone before the launcher exits 0. SIGINT stops without 
 
 Every ZeroMQ link between the children is secured by a cluster secret (wire/cluster_auth.py):
 `--cluster-secret`, else a random one made for this run. Children get it in their environment,
-never on their command line (which `ps` shows to every user).
+never on their command line (which `ps` shows to every user); the router gets `--api-key` there
+too. Each child's other settings travel as JSON in its environment as well (node/cli.py,
+pdserve/router_plan.py): its argv names the module alone.
 """
 
 from __future__ import annotations
@@ -53,19 +55,14 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.child_logs import ChildLogs
-from pdserve.model_source import ServedModel, check_model_folder, resolve_served_model
+from pdserve.model_source import check_model_folder, resolve_served_model
+from pdserve.router_plan import plan_router
 from pdserve.supervisor import Deployment
+from wire.cluster_auth import SECRET_ENV
 from wire.config_flags import given, in_flag_terms
 from wire.log_format import LogSettings
 
 READY_TIMEOUT_S = 600.0
-ROUTER_LIMITS = (
-    "max_queued_requests",
-    "max_queued_tokens",
-    "max_queue_delay",
-    "stream_stall_timeout",
-    "max_stream_buffer_tokens",
-)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,9 +105,10 @@ def check_node_settings(args: argparse.Namespace) -> None:
         node = NodeConfig(**settings["node"], **addresses)
     except ValueError as error:
         raise ValueError(in_flag_terms(NodeConfig, str(error))) from None
-    if args.node_timeout is not None and args.node_timeout <= node.heartbeat_interval:
+    node_timeout = getattr(args, "node_timeout_s", None)  # a RouterConfig option
+    if node_timeout is not None and node_timeout <= node.heartbeat_interval:
         raise ValueError(
-            f"--node-timeout {args.node_timeout:g} must exceed --heartbeat-interval "
+            f"--node-timeout {node_timeout:g} must exceed --heartbeat-interval "
             f"{node.heartbeat_interval:g}"
         )
 
@@ -264,27 +262,6 @@ def _failed_start(deployment: Deployment, error: RuntimeError) -> str:
     return logs.failed_start_line(child.name, child.process.returncode)
 
 
-def router_flags(args: argparse.Namespace, served: ServedModel) -> list[str]:
-    """The router's flags that come from `pdserve serve`'s, but for addresses and nodes."""
-    flags = ["--model", str(served.folder), "--served-model-name", *served.names]
-    if args.chat_template is not None:
-        flags += ["--chat-template", args.chat_template]
-    if args.api_key:
-        flags += ["--api-key", args.api_key]
-    for name in ROUTER_LIMITS:  # router/config.py
-        if getattr(args, name, None) is not None:
-            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name in ("disable_log_requests", "disable_log_stats"):
-        if getattr(args, name):
-            flags.append(f"--{name.replace('_', '-')}")
-    return flags
-
-
-def router_env(args: argparse.Namespace) -> dict[str, str]:
-    """The router's LogSettings as data (router/__main__.py's PDSERVE_ROUTER_CONFIG)."""
-    return {"PDSERVE_ROUTER_CONFIG": json.dumps({"log": given(LogSettings, args)})}
-
-
 def serve(args: argparse.Namespace) -> int:
     """Finds and checks the model, starts the nodes and the router; runs until interrupted;
     returns the exit status (2: the model cannot be served)."""
@@ -295,17 +272,21 @@ def serve(args: argparse.Namespace) -> int:
     model = str(served.folder)
     router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"
     nodes = plan_nodes(args, model, router_address)
-    secret_env = {"PDSERVE_CLUSTER_SECRET": args.cluster_secret or secrets.token_urlsafe(32)}
+    cluster_secret = args.cluster_secret or secrets.token_urlsafe(32)
+    secret_env = {SECRET_ENV: cluster_secret}
+    from node.config import NodeConfig
+
+    router = plan_router(
+        args, served, router_address, [f"{node.name}={node.address}" for node in nodes],
+        cluster_secret, NodeConfig(**nodes[0].config["node"]).heartbeat_interval,
+    )
+    drain_timeout = router.config.drain_timeout_s
     logs = None
     if not args.verbose:
         logs = ChildLogs(Path(tempfile.mkdtemp(prefix=f"pdserve-{args.port}-logs-")))
         print(f"pdserve: process logs in {logs.folder} (--verbose: here)", flush=True)
     deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs)
     ready = False
-    from node.config import NodeConfig
-
-    heartbeat = NodeConfig(**nodes[0].config["node"]).heartbeat_interval
-    node_timeout = args.node_timeout or 2 * heartbeat
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -315,25 +296,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for node in nodes:
             deployment.start(node.name, node.argv, {**node.env, **secret_env})
-        router_argv = [
-            sys.executable,
-            "-m",
-            "router",
-            *router_flags(args, served),
-            "--listen",
-            router_address,
-            "--host",
-            args.host,
-            "--port",
-            str(args.port),
-            "--node-timeout",
-            str(node_timeout),
-            "--drain-timeout",
-            str(args.drain_timeout),
-        ]
-        for node in nodes:
-            router_argv += ["--node", f"{node.name}={node.address}"]
-        deployment.start("router", router_argv, {**router_env(args), **secret_env}, is_node=False)
+        deployment.start("router", router.argv, router.env, is_node=False)
         url = f"http://{args.host}:{args.port}"
         try:
             wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
@@ -365,8 +328,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         drain = stopping[:1] == [signal.SIGTERM]
         if drain:
-            print(f"pdserve: draining (at most {args.drain_timeout:g} s)", file=sys.stderr)
-        deployment.stop(args.drain_timeout if drain else None, lambda: len(stopping) > 1)
+            print(f"pdserve: draining (at most {drain_timeout:g} s)", file=sys.stderr)
+        deployment.stop(drain_timeout if drain else None, lambda: len(stopping) > 1)
         if logs is not None and ready:
             logs.echo_new()
         for sig, handler in previous.items():

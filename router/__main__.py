@@ -2,11 +2,16 @@
 
 Runs the app on uvicorn with uvloop and prints one line, "pdserve router listening on
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
-OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining. The
-cluster secret (`--cluster-secret`, else `PDSERVE_CLUSTER_SECRET`) is read here, once.
-Logging (`--log-level`, `--log-format text|json`, `--uvicorn-log-level`, generated from
-LogSettings; `pdserve serve` hands them as JSON in $PDSERVE_ROUTER_CONFIG) is set up here, once,
-for the whole process (wire/log_format.py); uvicorn's loggers write through the same handler.
+OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining.
+
+Every flag is generated from RouterConfig's and LogSettings' fields (wire/config_flags.py).
+`pdserve serve` starts the router with no flags: it hands the settings as data, JSON in
+$PDSERVE_ROUTER_CONFIG, {"router": {RouterConfig field: value}, "log": {LogSettings field:
+value}}, in field units (the chat template's text); flags given override it. The secrets come
+in the environment alone, never on the command line or in that JSON: the cluster secret
+(`--cluster-secret`, else $PDSERVE_CLUSTER_SECRET) and the API key (`--api-key`, else
+$PDSERVE_API_KEY) are read here, once. Logging is set up here, once, for the whole process
+(wire/log_format.py); uvicorn's loggers write through the same handler.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import h11
@@ -24,11 +30,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import CONFIG_ENV, RouterConfig
 from router.drain import DrainingServer
-from text.tokenizer import read_chat_template
-from wire.cluster_auth import SECRET_ENV, ClusterAuth
-from wire.config_flags import add_flags, build
+from wire.config_flags import add_flags, build, from_environment, in_flag_terms
 from wire.log_format import LogSettings
 
 # Connections: one idle between requests (or since it opened) is closed after
@@ -40,9 +44,8 @@ KEEP_ALIVE_TIMEOUT_S = 5
 REQUEST_HEAD_TIMEOUT_S = 10.0
 REQUEST_BODY_TIMEOUT_S = 60.0
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
-# `pdserve serve` hands the router settings as JSON here: {"log": {LogSettings field: value}};
-# flags given override them.
-CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
+# The parts of $PDSERVE_ROUTER_CONFIG (router/config.py's CONFIG_ENV).
+CONFIG_PARTS = ("router", "log")
 
 
 class RequestDeadlineH11Protocol(H11Protocol):
@@ -150,141 +153,44 @@ def uvicorn_config(
     )
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RouterConfig, LogSettings]:
-    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="model folder (for the tokenizer)")
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="names requests may send as `model`; /v1/models lists the first (default: the "
-        "model path as given)",
+def launcher_config(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The settings `pdserve serve` handed this router as data ({} parts when none)."""
+    text = environ.get(CONFIG_ENV)
+    loaded = json.loads(text) if text else {}
+    well_formed = isinstance(loaded, dict) and set(loaded) <= set(CONFIG_PARTS)
+    if not well_formed or not all(isinstance(part, dict) for part in loaded.values()):
+        raise ValueError(f"expected a JSON object of objects, keys among {list(CONFIG_PARTS)}")
+    return {part: loaded.get(part, {}) for part in CONFIG_PARTS}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m router", description=__doc__.split("\n")[0],
+        epilog=f"${CONFIG_ENV} (JSON, from `pdserve serve`) gives settings these flags override.",
     )
-    parser.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE_OR_TEMPLATE",
-        help="a Jinja chat template, or a file holding one, instead of the model's",
-    )
-    parser.add_argument(
-        "--node",
-        action="append",
-        required=True,
-        dest="nodes",
-        help="a node's PULL address, [ID=]tcp://HOST:PORT (repeatable)",
-    )
-    parser.add_argument("--listen", required=True, help="the router's PULL bind address")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None)
-    parser.add_argument("--max-n", type=int, default=8)
-    parser.add_argument(
-        "--max-queued-requests",
-        "--max-waiting-requests",
-        type=int,
-        default=1024,
-        metavar="N",
-        help="requests (n choices each) admitted and not started yet; past it, 429 (default "
-        "1024; --max-waiting-requests is the old name)",
-    )
-    parser.add_argument(
-        "--max-queued-tokens",
-        type=int,
-        default=1 << 20,
-        metavar="N",
-        help="prompt tokens of the requests admitted and not started yet; past it, 429 "
-        "(default 1048576)",
-    )
-    parser.add_argument(
-        "--max-queue-delay",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="refuse (429) a request that would wait longer than this before its prefill "
-        "starts: queued prompt tokens / the node's measured prefill speed, or the age of the "
-        "oldest request still waiting there (default 30)",
-    )
-    parser.add_argument(
-        "--stream-stall-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="a stream whose client reads nothing for this long is aborted (default 30)",
-    )
-    parser.add_argument(
-        "--max-stream-buffer-tokens",
-        type=int,
-        default=8192,
-        metavar="N",
-        help="tokens the router holds for a stream whose client reads slower than the "
-        "model writes; past it the request is aborted (default 8192)",
-    )
-    parser.add_argument(
-        "--node-timeout",
-        type=float,
-        default=1.0,
-        metavar="SECONDS",
-        help="a node is dead after this long without a heartbeat (default 1.0: two missed "
-        "heartbeats at the nodes' default 0.5 s interval)",
-    )
-    parser.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM, how long requests in flight may still run (default 30)",
-    )
-    parser.add_argument(
-        "--cluster-secret",
-        default=os.environ.get(SECRET_ENV) or None,
-        metavar="SECRET",
-        help=f"shared with every node (default: ${SECRET_ENV}); needed when --listen or a "
-        "--node address is not a loopback one",
-    )
-    parser.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="no access line per request (vLLM's spelling)",
-    )
-    parser.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="no periodic stats line per node (vLLM's spelling)",
-    )
+    add_flags(parser, RouterConfig)
     add_flags(parser, LogSettings)
+    return parser
+
+
+def parse_args(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[RouterConfig, LogSettings]:
+    """The router's settings: RouterConfig's defaults, then its secrets from `environ`
+    (default: this process's), then `environ`'s launcher config, then the flags given."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
     args = parser.parse_args(argv)
-    names = args.served_model_name or [None]
     try:
-        config = RouterConfig(
-            model_path=args.model,
-            served_model_name=names[0],
-            served_model_aliases=tuple(names[1:]),
-            chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
-            host=args.host,
-            port=args.port,
-            node_addresses=args.nodes,
-            listen_address=args.listen,
-            api_key=args.api_key,
-            max_n=args.max_n,
-            max_queued_requests=args.max_queued_requests,
-            max_queued_tokens=args.max_queued_tokens,
-            max_queue_delay_s=args.max_queue_delay,
-            stream_stall_timeout_s=args.stream_stall_timeout,
-            max_stream_buffer_tokens=args.max_stream_buffer_tokens,
-            node_timeout_s=args.node_timeout,
-            drain_timeout_s=args.drain_timeout,
-            cluster_auth=ClusterAuth.from_secret(args.cluster_secret),
-            log_requests=not args.disable_log_requests,
-            log_stats=not args.disable_log_stats,
-        )
+        launched = launcher_config(environ)
     except ValueError as error:
-        parser.error(str(error))
-    try:
-        launched = json.loads(os.environ.get(CONFIG_ENV) or "{}")
-        log = build(LogSettings, args, launched.get("log") if isinstance(launched, dict) else None)
-    except (ValueError, TypeError) as error:
         parser.error(f"${CONFIG_ENV}: {error}")
+    try:
+        base = {**from_environment(RouterConfig, environ), **launched["router"]}
+        config = build(RouterConfig, args, base)
+        log = build(LogSettings, args, launched["log"])
+    except (ValueError, TypeError) as error:
+        parser.error(in_flag_terms(RouterConfig, str(error)))
     return config, log
 
 

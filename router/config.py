@@ -1,13 +1,39 @@
-"""Router settings: one dataclass, built by the CLI or directly by tests."""
+"""Router settings: one dataclass, built by the CLI or directly by tests.
+
+Each operator option's flag and help is its field's `option` metadata (wire/config_flags.py):
+`python -m router` generates its parser from them, and `pdserve serve` those it does not decide
+itself (`launcher_sets`); fields without one are set by code.
+"""
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from router.node_registry import parse_node_spec
-from wire.cluster_auth import ClusterAuth
+from wire.cluster_auth import SECRET_ENV, ClusterAuth
+from wire.config_flags import option
 from wire.limits import MAX_CHOICES_PER_PROMPT
+
+# `pdserve serve` hands the router its settings as JSON here: {"router": {RouterConfig field:
+# value}, "log": {LogSettings field: value}}; flags given override them (router/__main__.py).
+CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def served_names(names: list[str]) -> dict[str, Any]:
+    """`--served-model-name A B ...`: A is the model's name, the rest its aliases."""
+    return {"served_model_name": names[0], "served_model_aliases": tuple(names[1:])}
+
+
+def chat_template_source(value: str) -> str:
+    """`--chat-template`: a file's template, or the template itself (checked to parse)."""
+    from text.tokenizer import read_chat_template  # jinja2 and tokenizers, when given only
+
+    return read_chat_template(value)
 
 
 @dataclass
@@ -21,50 +47,113 @@ class RouterConfig:
     secret the listen and node addresses must be loopback ones.
     """
 
-    model_path: str | Path
-    served_model_name: str | None = None
+    model_path: str | Path = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--model", launcher_sets=True, metavar="PATH",
+        help="model folder, for the tokenizer (required)",
+    )
+    served_model_name: str | None = option(
+        None, flag="--served-model-name", nargs="+", metavar="NAME", to_fields=served_names,
+        launcher_sets=True, help="names requests may send as `model`; /v1/models lists the "
+        "first (default: the model path as given)",
+    )
     # Further names requests may send as `model` (`--served-model-name A B`: B); /v1/models
     # lists `model_name` alone, as vLLM does.
-    served_model_aliases: tuple[str, ...] = ()
-    # The chat template's source, replacing the model folder's (`--chat-template`).
-    chat_template: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    node_addresses: list[str] = field(default_factory=list)
-    listen_address: str = "tcp://127.0.0.1:5600"
-    api_key: str | None = None
+    served_model_aliases: tuple[str, ...] = field(
+        default=(), metadata={"set_by": "--served-model-name"}
+    )
+    # The chat template's source, replacing the model folder's.
+    chat_template: str | None = option(
+        None, flag="--chat-template", metavar="FILE_OR_TEMPLATE", to_field=chat_template_source,
+        help="a Jinja chat template, or a file holding one, instead of the model's",
+    )
+    host: str = option("127.0.0.1", flag="--host", launcher_sets=True, help="HTTP bind address")
+    port: int = option(
+        8000, flag="--port", launcher_sets=True, help="HTTP port; 0: one the OS picks"
+    )
+    node_addresses: list[str] = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--node", default_factory=list, repeat=True, required=True, launcher_sets=True,
+        metavar="ADDR", help="a node's PULL address, [ID=]tcp://HOST:PORT (required, "
+        "repeatable; nodes may also join by their heartbeat)",
+    )
+    listen_address: str = option(
+        "tcp://127.0.0.1:5600", flag="--listen", required=True, launcher_sets=True,
+        metavar="ADDR", help="the router's PULL bind address (required)",
+    )
+    api_key: str | None = option(
+        None, flag="--api-key", env=API_KEY_ENV, metavar="KEY",
+        help="every route but /health then needs `Authorization: Bearer KEY`",
+    )
     max_body_bytes: int = 1 << 20
-    max_n: int = 8
+    max_n: int = option(8, flag="--max-n", metavar="N", help="largest `n` a request may ask for")
     # Completions with a list of prompts: prompts x n per request (router/prompts.py).
     max_choices: int = 64
     max_stop: int = 4
     # Admission: sub-requests (n per request) accepted and not yet started (no token back),
     # and their prompt tokens; past either bound the router answers 429 (router/admission.py).
-    max_queued_requests: int = 1024
-    max_queued_tokens: int = 1 << 20
+    max_queued_requests: int = option(
+        1024, flag="--max-queued-requests", aliases=("--max-waiting-requests",), metavar="N",
+        help="requests (n choices each) admitted and not started yet; past it, 429 "
+        "(--max-waiting-requests is the old name)",
+    )
+    max_queued_tokens: int = option(
+        1 << 20, flag="--max-queued-tokens", metavar="N",
+        help="prompt tokens of the requests admitted and not started yet; past it, 429",
+    )
     # A request whose prefill would start later than this is refused (429) at once: the node
     # that would compute its prompt has more queued prompt tokens than it prefills in this
     # time (its measured speed), or a request waiting there is already this old
     # (router/queue_delay.py).
-    max_queue_delay_s: float = 30.0
+    max_queue_delay_s: float = option(
+        30.0, flag="--max-queue-delay", metavar="SECONDS",
+        help="refuse (429) a request that would wait longer than this before its prefill "
+        "starts: queued prompt tokens / the node's measured prefill speed, or the age of the "
+        "oldest request still waiting there",
+    )
     # Streaming: a write to the client blocked this long aborts the request; at most this many
     # tokens wait in the router for a client that reads slower than the node generates.
-    stream_stall_timeout_s: float = 30.0
-    max_stream_buffer_tokens: int = 8192
-    # A node is dead after this long without a heartbeat. Nodes send one every 0.5 s from a
-    # thread of their own, so `python -m router` and `pdserve serve` use 1.0 s (two missed
-    # heartbeats); this lenient default suits embedders whose nodes report less often.
-    node_timeout_s: float = 30.0
+    stream_stall_timeout_s: float = option(
+        30.0, flag="--stream-stall-timeout", metavar="SECONDS",
+        help="a stream whose client reads nothing for this long is aborted",
+    )
+    max_stream_buffer_tokens: int = option(
+        8192, flag="--max-stream-buffer-tokens", metavar="N",
+        help="tokens the router holds for a stream whose client reads slower than the model "
+        "writes; past it the request is aborted",
+    )
+    # A node is dead after this long without a heartbeat. Nodes send one every 0.5 s (their
+    # default --heartbeat-interval) from a thread of their own: two missed heartbeats. Code
+    # whose nodes report less often (tests that inject one NodeStats) sets a longer one.
+    node_timeout_s: float = option(
+        1.0, flag="--node-timeout", metavar="SECONDS",
+        help="a node is dead after this long without a heartbeat (default 1.0: two missed "
+        "heartbeats at the nodes' default 0.5 s interval; `pdserve serve`: two of its "
+        "--heartbeat-interval)",
+    )
     # On SIGTERM, requests in flight get this long to finish (router/drain.py).
-    drain_timeout_s: float = 30.0
-    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
+    drain_timeout_s: float = option(
+        30.0, flag="--drain-timeout", metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may still run",
+    )
+    cluster_auth: ClusterAuth = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--cluster-secret", default_factory=ClusterAuth.none, env=SECRET_ENV,
+        to_field=ClusterAuth.from_secret, launcher_sets=True, metavar="SECRET",
+        help=f"shared with every node (default: ${SECRET_ENV}); needed when --listen or a "
+        "--node address is not a loopback one",
+    )
     # Logs: one INFO line per request (router/access_log.py), and every
     # `stats_log_interval_s` one per node that had traffic (router/stats_log.py).
-    log_requests: bool = True
-    log_stats: bool = True
+    log_requests: bool = option(
+        True, flag="--disable-log-requests", switch=True, to_field=operator.not_,
+        help="no access line per request (vLLM's spelling)",
+    )
+    log_stats: bool = option(
+        True, flag="--disable-log-stats", switch=True, to_field=operator.not_,
+        help="no periodic stats line per node (vLLM's spelling)",
+    )
     stats_log_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
+        self.served_model_aliases = tuple(self.served_model_aliases)  # a list, from JSON
         nodes = [("--node", parse_node_spec(spec)[1]) for spec in self.node_addresses]
         self.cluster_auth.check_addresses([("--listen", self.listen_address), *nodes])
         for name in (
@@ -83,6 +172,10 @@ class RouterConfig:
             raise ValueError(
                 f"stats_log_interval_s is {self.stats_log_interval_s}; expected (0, 3600] s"
             )
+        if not (0 < self.node_timeout_s and math.isfinite(self.node_timeout_s)):
+            raise ValueError(f"node_timeout_s is {self.node_timeout_s}; expected a positive time")
+        if not (0 <= self.drain_timeout_s and math.isfinite(self.drain_timeout_s)):
+            raise ValueError(f"drain_timeout_s is {self.drain_timeout_s}; expected 0 s or more")
         if not 0 < self.stream_stall_timeout_s <= 3600:
             raise ValueError(
                 f"stream_stall_timeout_s is {self.stream_stall_timeout_s}; expected (0, 3600] s"

@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from node.config import CONFIG_ENV
+
 SHM_DIR = Path("/dev/shm")
 HEARTBEAT_S = 0.5  # the nodes' default --heartbeat-interval
 # An idle node sends NodeStats and runs its leak check once per heartbeat: within this many, the
@@ -189,10 +191,18 @@ def node_pids(launcher_pid: int) -> dict[str, int]:
     for pid in children_of(launcher_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
         args = [a.decode() for a in argv]
-        name = args[args.index("--node-id") + 1] if "--node-id" in args else "router"
+        prefix = f"{CONFIG_ENV}=".encode()
+        config = next((e[len(prefix):] for e in environ if e.startswith(prefix)), None)
+        if "--node-id" in args:
+            name = args[args.index("--node-id") + 1]
+        elif config is not None:  # `pdserve serve` hands a node its settings as data
+            name = json.loads(config)["node"]["node_id"]
+        else:
+            name = "router"
         pids[name] = pid
     return pids
 

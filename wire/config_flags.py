@@ -10,13 +10,23 @@ A config dataclass owns each operator option: its field's name, type and default
   type      the flag's value type when it differs from the field's (`--swap-space` GiB: float)
   to_field  flag value -> field value, where unit or sense differ (GiB -> bytes;
             `--enforce-eager` -> cuda_graphs False); the one place a conversion is written
+  to_fields flag value -> {field: value}, for one flag that sets several fields
+            (`--served-model-name A B`: the name and its aliases); a field set this way and
+            by no flag of its own names the flag in its `set_by` metadata
   switch    the flag takes no value (store_true); the field gets to_field(True)
+  repeat    the flag may be given several times; the field gets the list (action "append")
+  required  a command line (or the data handed with it) must give it, although code that
+            constructs the class may rely on the field's default
+  env       the environment variable that gives it when the flag is not (`from_environment`):
+            a secret, which a launcher hands its child there (`given_as_environment`), never
+            on a command line (which `ps` shows every user) nor in the JSON of its settings
   launcher_sets   `pdserve serve` decides it for each child (addresses, device): no serve flag
   roles     the node roles the option applies to (None: every process that takes the class)
 
 Booleans that are not switches get `--x` / `--no-x`. Every generated flag defaults to None,
 "not given", so values from elsewhere (a child's config from its launcher, as JSON) are not
-overwritten by a flag's default; `build` fills in the dataclass's own defaults.
+overwritten by a flag's default; `build` fills in the dataclass's own defaults. A process's own
+options, under which nothing is layered, may take the field's default instead (`defaults`).
 """
 
 from __future__ import annotations
@@ -34,9 +44,20 @@ def gib_to_bytes(gib: float) -> int:
     return int(gib * GIB)
 
 
-def option(default: Any = dataclasses.MISSING, *, flag: str, help: str, **metadata: Any) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    flag: str,
+    help: str,
+    default_factory: Any = dataclasses.MISSING,
+    **metadata: Any,
+) -> Any:
     """A dataclass field that is an operator option (metadata keys: the module docstring)."""
-    return dataclasses.field(default=default, metadata={"flag": flag, "help": help, **metadata})
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        metadata={"flag": flag, "help": help, **metadata},
+    )
 
 
 def options(cls: type) -> list[dataclasses.Field]:
@@ -53,9 +74,12 @@ def _value_type(f: dataclasses.Field) -> Callable[[str], Any]:
 
 
 def _help(f: dataclasses.Field) -> str:
-    text = f.metadata["help"]
-    shown = f.default is not dataclasses.MISSING and f.default is not None
-    if shown and "to_field" not in f.metadata and "default" not in text:
+    text, meta = f.metadata["help"], f.metadata
+    if "default" in text or meta.get("required") or "to_field" in meta:
+        return text
+    if "env" in meta:
+        return text + f" (default: ${meta['env']})"
+    if f.default is not dataclasses.MISSING and f.default is not None:
         default = f.default
         text += f" (default: {'on' if default is True else 'off' if default is False else default})"
     return text
@@ -66,19 +90,25 @@ def add_flags(
     cls: type,
     *,
     select: Callable[[dataclasses.Field], bool] | None = None,
+    defaults: bool = False,
 ) -> None:
-    """One argparse argument per option of `cls` that `select` keeps (default: all)."""
+    """One argparse argument per option of `cls` that `select` keeps (default: all). With
+    `defaults`, a flag not given takes its field's default instead of None: for a process's
+    own options, under which no data from elsewhere is layered."""
     for f in options(cls):
         if select is not None and not select(f):
             continue
         meta = f.metadata
         names = [meta["flag"], *meta.get("aliases", ())]
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f)}
+        default = f.default if defaults and f.default is not dataclasses.MISSING else None
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": _help(f)}
         if meta.get("switch"):
             kwargs["action"] = "store_true"
         elif _value_type(f) is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
+            if meta.get("repeat"):
+                kwargs["action"] = "append"
             kwargs["type"] = _value_type(f)
             for key in ("choices", "metavar", "nargs"):
                 if key in meta:
@@ -103,14 +133,49 @@ def given(
         value = getattr(args, f.name, None)
         if value is None or (f.metadata.get("switch") and value is False):
             continue
-        convert = f.metadata.get("to_field")
-        values[f.name] = convert(value) if convert is not None else value
+        values.update(_field_values(f, value))
     return values
+
+
+def _field_values(f: dataclasses.Field, value: Any) -> dict[str, Any]:
+    """A flag's value (given, or from its environment variable) as field values."""
+    if "to_fields" in f.metadata:
+        return f.metadata["to_fields"](value)
+    convert = f.metadata.get("to_field")
+    return {f.name: convert(value) if convert is not None else value}
+
+
+def from_environment(cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Field values of the options of `cls` with an `env` variable that `environ` sets (and
+    not to the empty string), converted as their flag's value is."""
+    values = {}
+    for f in options(cls):
+        value = environ.get(f.metadata.get("env", ""))
+        if value:
+            values.update(_field_values(f, value))
+    return values
+
+
+def given_as_environment(
+    cls: type,
+    args: argparse.Namespace,
+    *,
+    select: Callable[[dataclasses.Field], bool] | None = None,
+) -> dict[str, str]:
+    """{variable: flag value} of the options of `cls` with an `env` variable (that `select`
+    keeps) given on the command line: what a launcher hands its child in the environment."""
+    return {
+        f.metadata["env"]: str(getattr(args, f.name))
+        for f in options(cls)
+        if "env" in f.metadata
+        and (select is None or select(f))
+        and getattr(args, f.name, None) is not None
+    }
 
 
 def check_values(cls: type, values: Mapping[str, Any]) -> None:
     """ValueError for a key that is no option of `cls` (a config handed over as data)."""
-    known = {f.name for f in options(cls)}
+    known = {f.name for f in dataclasses.fields(cls) if {"flag", "set_by"} & set(f.metadata)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"{cls.__name__} has no option {', '.join(unknown)}")
@@ -131,9 +196,11 @@ def build(
     missing = [
         f.metadata.get("flag", f.name)
         for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in values
+        if f.name not in values
+        and (
+            f.metadata.get("required")
+            or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        )
     ]
     if missing:
         raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")

@@ -195,6 +195,8 @@ def test_process_labels_name_the_router_and_each_node_without_the_port_suffix():
     assert process_label(["python", "-m", "router", "--port", "8000"]) == "router"
     node = ["python", "-m", "prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
     assert process_label(node) == "prefill-0"
+    config = '{"node": {"node_id": "decode-1.21300"}, "engine": {}}'  # as `pdserve serve` hands it
+    assert process_label(["python", "-m", "decode_node"], config) == "decode-1"
 
 
 def test_bad_flags_are_refused_with_the_value(capsys):

@@ -1,22 +1,30 @@
-"""One source of configuration: every operator option of EngineConfig and NodeConfig, given a
-non-default value on `pdserve serve`'s command line, reaches the config each planned node
-builds, field by field; and a field added with flag metadata appears on every command line
-without a hand-written flag (wire/config_flags.py)."""
+"""One source of configuration: every operator option of EngineConfig, NodeConfig and
+RouterConfig, given a non-default value on `pdserve serve`'s command line, reaches the config
+each planned node, and the planned router, builds, field by field; and a field added with flag
+metadata appears on every command line without a hand-written flag (wire/config_flags.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 import engine.config
 import node.cli
+import pdserve.router_plan
+import router.__main__
+import router.config
 from engine.config import EngineConfig
 from node.config import CONFIG_ENV, NodeConfig
 from pdserve.cli import build_parser
 from pdserve.launcher import plan_nodes
-from tests.cli.test_serve_flags import child_configs, serve_args
+from pdserve.launcher_settings import LauncherSettings
+from pdserve.model_source import ServedModel
+from router.config import RouterConfig
+from tests.cli.test_serve_flags import TEMPLATE, child_configs, planned_router, serve_args
+from wire.cluster_auth import ClusterAuth
 from wire.config_flags import build, option, options
 
 # field -> (the flags `pdserve serve` gets, the field value each node must build): a new
@@ -48,6 +56,21 @@ NODE_CASES = {
     "queue_timeout_s": (["--queue-timeout", "9"], 9.0),
 }
 
+ROUTER_CASES = {
+    "chat_template": (["--chat-template", TEMPLATE], TEMPLATE),  # the template's text
+    "api_key": (["--api-key", "key-5678"], "key-5678"),
+    "max_n": (["--max-n", "4"], 4),
+    "max_queued_requests": (["--max-queued-requests", "9"], 9),
+    "max_queued_tokens": (["--max-queued-tokens", "999"], 999),
+    "max_queue_delay_s": (["--max-queue-delay", "2.5"], 2.5),
+    "stream_stall_timeout_s": (["--stream-stall-timeout", "4"], 4.0),
+    "max_stream_buffer_tokens": (["--max-stream-buffer-tokens", "77"], 77),
+    "node_timeout_s": (["--node-timeout", "3"], 3.0),
+    "drain_timeout_s": (["--drain-timeout", "5"], 5.0),
+    "log_requests": (["--disable-log-requests"], False),
+    "log_stats": (["--disable-log-stats"], False),
+}
+
 
 def serve_options(cls: type) -> set[str]:
     return {f.name for f in options(cls) if not f.metadata.get("launcher_sets")}
@@ -56,6 +79,7 @@ def serve_options(cls: type) -> set[str]:
 def test_every_option_has_a_case():
     assert serve_options(EngineConfig) == set(ENGINE_CASES)
     assert serve_options(NodeConfig) == set(NODE_CASES)
+    assert serve_options(RouterConfig) == set(ROUTER_CASES)
 
 
 @pytest.mark.parametrize("layout", [["--kv-transport", "shm"], ["--colocated"]])
@@ -114,3 +138,71 @@ def test_a_field_with_flag_metadata_appears_on_every_command_line(monkeypatch, c
     engine_built = child_configs(plan)[0]
     assert isinstance(engine_built, WithNewOption) and engine_built.new_knob == 5
     assert build(WithNewOption).new_knob == 3
+
+
+def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_field():
+    flags = [flag for argv, _ in ROUTER_CASES.values() for flag in argv]
+    args = serve_args(["/models/tiny", *flags])
+    served = ServedModel(Path("/models/tiny"), ("tiny", "tiny-alias"))
+    plan, (config, _log) = planned_router(args, served)
+    expected = RouterConfig(
+        model_path="/models/tiny", served_model_name="tiny", served_model_aliases=("tiny-alias",),
+        listen_address="tcp://127.0.0.1:26992", node_addresses=["node-0=tcp://127.0.0.1:26991"],
+        cluster_auth=ClusterAuth.from_secret("s" * 32),
+        **{name: value for name, (_, value) in ROUTER_CASES.items()},
+    )
+    for f in dataclasses.fields(RouterConfig):
+        assert getattr(config, f.name) == getattr(expected, f.name), f.name
+    assert plan.argv[1:] == ["-m", "router"]  # nothing on the command line
+
+
+def test_a_router_started_directly_needs_its_model_nodes_and_address(capsys):
+    with pytest.raises(SystemExit):
+        router.__main__.parse_args([], environ={})
+    assert "--model, --node, --listen are required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        router.__main__.parse_args([], environ={router.config.CONFIG_ENV: '{"router": {"x": 1}}'})
+    assert "RouterConfig has no option x" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        router.__main__.parse_args(
+            ["--model", "m", "--node", "tcp://127.0.0.1:1", "--listen", "tcp://127.0.0.1:2",
+             "--max-n", "999"], environ={},
+        )
+    assert "--max-n is 999; expected 1 to" in capsys.readouterr().err
+
+
+def test_a_router_field_with_flag_metadata_appears_on_both_command_lines(monkeypatch, capsys):
+    @dataclasses.dataclass
+    class WithNewOption(RouterConfig):
+        new_router_knob: int = option(3, flag="--new-router-knob", help="added in one place")
+
+    for module in (router.config, router.__main__, pdserve.router_plan):
+        monkeypatch.setattr(module, "RouterConfig", WithNewOption)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "--new-router-knob NEW_ROUTER_KNOB" in capsys.readouterr().out
+    assert "--new-router-knob" in router.__main__.build_parser().format_help()
+    _, (config, _log) = planned_router(serve_args(["--new-router-knob", "5"]))
+    assert isinstance(config, WithNewOption) and config.new_router_knob == 5
+    assert planned_router(serve_args([]))[1][0].new_router_knob == 3
+
+
+def test_the_router_flag_table_names_every_generated_router_flag():
+    from wire.log_format import LogSettings
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    table = text[text.index("### Router flags"):text.index("## Containers")]
+    flags = [f.metadata["flag"] for cls in (RouterConfig, LogSettings) for f in options(cls)]
+    assert [flag for flag in flags if f"`{flag}" not in table] == []
+
+
+def test_the_serve_parser_takes_the_launchers_own_defaults_from_launcher_settings():
+    args = serve_args([])
+    for f in options(LauncherSettings):
+        assert getattr(args, f.name) == f.default, f.name
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    serve_tables = text[text.index("Deployment (the launcher's"):text.index("### GPU placement")]
+    assert [f.metadata["flag"] for f in options(LauncherSettings)
+            if f"`{f.metadata['flag']}" not in serve_tables] == []
+    with pytest.raises(ValueError, match="--prefill and --decode need at least one node"):
+        serve_args(["--decode", "0"])

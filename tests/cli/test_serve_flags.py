@@ -1,19 +1,25 @@
-"""`pdserve serve`'s vLLM spellings reach the processes it starts: each node's argv, as the
-launcher plans it, parsed by the node's own parser into the node's EngineConfig, and the router's
-argv parsed by the router's own parser into its RouterConfig."""
+"""`pdserve serve`'s vLLM spellings reach the processes it starts: each node's argv and
+environment, as the launcher plans them, parsed by the node's own parser into the node's
+EngineConfig, and the router's parsed by the router's own parser into its RouterConfig."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from node.cli import add_kv_flags, configs, node_parser
 from pdserve.cli import build_parser, main
-from pdserve.launcher import plan_nodes, router_env, router_flags
+from pdserve.launcher import plan_nodes
 from pdserve.model_source import ServedModel, resolve_served_model
+from pdserve.router_plan import plan_router
 from pdserve.serve_flags import check_serve_flags
 from router.__main__ import parse_args as parse_router_args
+from router.config import API_KEY_ENV
+from router.config import CONFIG_ENV as ROUTER_CONFIG_ENV
+from wire.cluster_auth import SECRET_ENV
+from wire.log_format import LogSettings
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
@@ -32,6 +38,18 @@ def child_configs(plan):
     if module != "colocated_node":
         add_kv_flags(parser, receiver=module == "decode_node")
     return configs(parser.parse_args(node_argv), plan.env)
+
+
+def planned_router(args, served: ServedModel | None = None, heartbeat_interval: float = 0.5):
+    """(RouterPlan, (RouterConfig, LogSettings)): the router the launcher plans, and what that
+    process builds from its argv and environment alone (nothing of this process's)."""
+    served = served or ServedModel(Path("/m/x"), ("x",))
+    plan = plan_router(
+        args, served, "tcp://127.0.0.1:26992", ["node-0=tcp://127.0.0.1:26991"], "s" * 32,
+        heartbeat_interval,
+    )
+    assert plan.argv[1:] == ["-m", "router"]
+    return plan, parse_router_args(plan.argv[3:], environ=plan.env)
 
 
 def node_engine_configs(args, model: str = "/models/tiny"):
@@ -79,10 +97,8 @@ def test_served_model_names_and_chat_template_reach_the_router(tmp_path):
     for template in (TEMPLATE, str(template_file)):
         args = serve_args(["--served-model-name", "tiny", "tiny-alias", "--chat-template", template])
         served = resolve_served_model("/models/tiny", args.served_model_name)
-        argv = router_flags(args, served)
-        config, _ = parse_router_args(
-            [*argv, "--node", "tcp://127.0.0.1:26991", "--listen", "tcp://127.0.0.1:26992"]
-        )
+        _, (config, _) = planned_router(args, served)
+        assert str(config.model_path) == "/models/tiny"
         assert config.model_name == "tiny"
         assert config.model_names == ("tiny", "tiny-alias")
         assert config.chat_template == TEMPLATE
@@ -93,9 +109,8 @@ def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
     assert served.names == ("SmolLM2-135M-Instruct",)
     assert served.folder == tmp_path / "SmolLM2-135M-Instruct"
     assert resolve_served_model("relative/folder/", None).names == ("folder",)
-    assert router_flags(serve_args([]), ServedModel(Path("/m/x"), ("x",)))[:4] == [
-        "--model", "/m/x", "--served-model-name", "x"
-    ]
+    _, (config, _) = planned_router(serve_args([]), ServedModel(Path("/m/x"), ("x",)))
+    assert (config.model_path, config.model_names) == ("/m/x", ("x",))
 
 
 @pytest.mark.parametrize(
@@ -120,21 +135,36 @@ def test_bad_serve_flags_print_pdserve_serve_usage(capsys, flags, message):
     assert message in err
 
 
-def test_router_logging_flags_reach_the_router(monkeypatch):
+def test_router_logging_flags_reach_the_router():
     args = serve_args(["--log-format", "json", "--uvicorn-log-level", "info",
                        "--disable-log-requests", "--log-level", "WARNING"])
-    argv = router_flags(args, ServedModel(Path("/m/x"), ("x",)))
-    assert "--disable-log-requests" in argv and "--disable-log-stats" not in argv
-    for name, value in router_env(args).items():
-        monkeypatch.setenv(name, value)
-    config, log = parse_router_args(
-        [*argv, "--node", "tcp://127.0.0.1:26991", "--listen", "tcp://127.0.0.1:26992"]
-    )
+    _, (config, log) = planned_router(args)
     assert (log.level, log.log_format, log.uvicorn_level) == ("warning", "json", "info")
     assert config.log_requests is False and config.log_stats is True
-    defaults = router_flags(serve_args([]), ServedModel(Path("/m/x"), ("x",)))
-    assert "--disable-log-requests" not in defaults
-    assert router_env(serve_args([])) == {"PDSERVE_ROUTER_CONFIG": '{"log": {}}'}
+    defaults, (config, log) = planned_router(serve_args([]))
+    assert config.log_requests is True and log == LogSettings()
+    assert json.loads(defaults.env[ROUTER_CONFIG_ENV])["log"] == {}
+
+
+def test_the_router_gets_its_settings_as_data_and_its_secrets_in_its_environment_alone():
+    plan, (config, _) = planned_router(serve_args(["--api-key", "key-1234", "--max-n", "4"]))
+    assert plan.argv[1:] == ["-m", "router"]
+    assert (config.api_key, config.max_n) == ("key-1234", 4)
+    assert config.cluster_auth.enabled
+    assert plan.env[API_KEY_ENV] == "key-1234" and plan.env[SECRET_ENV] == "s" * 32
+    handed = json.loads(plan.env[ROUTER_CONFIG_ENV])
+    assert "key-1234" not in plan.env[ROUTER_CONFIG_ENV] and "s" * 32 not in json.dumps(handed)
+    assert set(handed["router"]) >= {"model_path", "listen_address", "node_addresses", "max_n"}
+    # Without --api-key the router reads $PDSERVE_API_KEY, as `python -m router` does.
+    plan, _ = planned_router(serve_args([]))
+    assert API_KEY_ENV not in plan.env
+
+
+def test_the_node_timeout_is_two_heartbeat_intervals_unless_given():
+    assert planned_router(serve_args([]))[1][0].node_timeout_s == 1.0
+    assert planned_router(serve_args([]), heartbeat_interval=0.25)[1][0].node_timeout_s == 0.5
+    given = serve_args(["--node-timeout", "3"])
+    assert planned_router(given, heartbeat_interval=0.25)[1][0].node_timeout_s == 3.0
 
 
 def test_log_format_reaches_every_node():

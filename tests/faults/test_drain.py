@@ -87,7 +87,7 @@ def drain(server: ServeProcess, bodies: list[dict]) -> tuple[list[StreamResult],
 
 def test_sigterm_lets_requests_in_flight_finish_and_leaves_nothing_behind(tiny_llama_dir):
     server = ServeProcess(["--model", str(tiny_llama_dir), *FLAGS, "--drain-timeout", "60"])
-    results, _ = drain(server, stream_bodies(str(tiny_llama_dir), 8, 200))
+    results, _ = drain(server, stream_bodies(tiny_llama_dir.name, 8, 200))
     for result in results:
         assert result.completed and result.done and result.finish_reason == "length", result
         assert len(result.token_times) > 100
@@ -98,7 +98,7 @@ def test_requests_still_running_at_the_drain_timeout_end_with_an_error_event(tin
     server = ServeProcess(
         ["--model", str(tiny_llama_dir), *FLAGS, "--drain-timeout", str(drain_timeout_s)]
     )
-    results, signalled_at = drain(server, stream_bodies(str(tiny_llama_dir), 16, 900))
+    results, signalled_at = drain(server, stream_bodies(tiny_llama_dir.name, 16, 900))
     cut = [r for r in results if not r.completed]
     assert cut, "every request finished within the drain timeout: nothing was tested"
     for result in cut:

@@ -113,7 +113,7 @@ def test_prefill_node_killed_mid_prefill_requests_are_retried_and_the_node_rejoi
         victim, survivor, decoder = f"prefill-0.{port}", f"prefill-1.{port}", f"decode-0.{port}"
         wait_for_nodes(server, 3)
         pids = node_pids(server.process.pid)
-        requests = bodies(str(tiny_llama_dir), 32, range(400, 600), range(8, 24), seed=1)
+        requests = bodies(tiny_llama_dir.name, 32, range(400, 600), range(8, 24), seed=1)
         results, killed_at, detected = run_with_kill(
             server.url, requests, pids[victim], first_tokens(1), victim
         )
@@ -140,7 +140,7 @@ def test_prefill_node_killed_mid_prefill_requests_are_retried_and_the_node_rejoi
         assert [r.text for r in results if r.completed] == [
             text for text, r in zip(expected, results) if r.completed
         ]
-        fresh = bodies(str(tiny_llama_dir), 4, range(40, 60), range(2, 4), seed=2)
+        fresh = bodies(tiny_llama_dir.name, 4, range(40, 60), range(2, 4), seed=2)
         completion_texts(server.url, fresh)
         wait_until(
             lambda: metric(server.url, "pdserve_prefix_cache_queries_total").get(victim, 0) > 0,
@@ -161,7 +161,7 @@ def test_only_prefill_node_killed_requests_without_a_token_end_with_503_in_time(
         victim = f"prefill-0.{server.port}"
         wait_for_nodes(server, 2)
         pids = node_pids(server.process.pid)
-        requests = bodies(str(tiny_llama_dir), 32, range(400, 600), range(8, 24), seed=3)
+        requests = bodies(tiny_llama_dir.name, 32, range(400, 600), range(8, 24), seed=3)
         results, killed_at, detected = run_with_kill(
             server.url, requests, pids[victim], first_tokens(1), victim
         )
@@ -189,7 +189,7 @@ def test_decode_node_killed_mid_stream_its_clients_get_an_error_event_within_5_s
         victim = f"decode-0.{port}"
         wait_for_nodes(server, 3)
         pids = node_pids(server.process.pid)
-        requests = bodies(str(tiny_llama_dir), 32, range(10, 40), range(500, 700), seed=4)
+        requests = bodies(tiny_llama_dir.name, 32, range(10, 40), range(500, 700), seed=4)
 
         def all_streaming(results):
             return all(len(r.token_times) >= 3 for r in results)
@@ -225,7 +225,7 @@ def test_a_restarted_decode_node_rejoins_and_serves_the_same_text(tiny_llama_dir
         victim = f"decode-0.{port}"
         wait_for_nodes(server, 2)
         pids = node_pids(server.process.pid)
-        requests = bodies(str(tiny_llama_dir), 8, range(40, 80), range(200, 300), seed=5)
+        requests = bodies(tiny_llama_dir.name, 8, range(40, 80), range(200, 300), seed=5)
         expected = completion_texts(server.url, requests)
 
         def streaming(results):

@@ -210,6 +210,7 @@ def client(tiny_llama_dir):
         served_model_name=MODEL,
         node_addresses=["tcp://127.0.0.1:1"],
         listen_address="tcp://127.0.0.1:2",
+        node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
     )
     app = create_app(config)
     app.state.router.client.record_stats(_stats())

@@ -73,6 +73,7 @@ def make_app(tokenizer, tmp_path, stats: NodeStats | None = None):
         served_model_name=MODEL,
         node_addresses=[f"ipc://{tmp_path}/node"],
         listen_address=f"ipc://{tmp_path}/router",
+        node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
     )
     app = create_app(config, tokenizer=tokenizer)
     if stats is not None:
