@@ -20,7 +20,8 @@ from router.validation import Plan
 from tests.router import test_streaming
 from tests.router.test_queue_delay import client_with
 from tests.router.test_streaming import ScriptedNode, run_with_node, sse_payloads
-from tests.router.test_validation import MODEL, _stats, assert_error
+from tests.router.test_validation import MODEL, assert_error
+from tests.router.unlooped import node_stats, unlooped_router_config
 from wire.messages import TokenBatch, TokenUpdate, encode
 
 WORDS = ["apple", "river", "stone"]
@@ -59,11 +60,9 @@ def echo(monkeypatch):
 
 @pytest.fixture(scope="module")
 def app(tiny_llama_dir):
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
+    config = unlooped_router_config(
+        tiny_llama_dir,
+        MODEL,
         node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
         max_choices=6,
     )
@@ -72,7 +71,7 @@ def app(tiny_llama_dir):
 
 @pytest.fixture
 def live(app):
-    app.state.router.client.record_stats(_stats())
+    app.state.router.client.record_stats(node_stats())
     return TestClient(app)
 
 

@@ -13,7 +13,8 @@ import pytest
 from router.logprobs import LogprobFormatter, check_prompt_entries
 from tests.router import test_streaming
 from tests.router.test_streaming import REPLY, ScriptedNode, run_with_node, sse_payloads
-from tests.router.test_validation import MODEL, _stats, assert_error
+from tests.router.test_validation import MODEL, assert_error
+from tests.router.unlooped import node_stats, unlooped_router_config
 from wire.messages import TokenBatch, TokenUpdate, encode
 
 
@@ -203,17 +204,14 @@ def client(tiny_llama_dir):
     from starlette.testclient import TestClient
 
     from router.app import create_app
-    from router.config import RouterConfig
 
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
+    config = unlooped_router_config(
+        tiny_llama_dir,
+        MODEL,
         node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
     )
     app = create_app(config)
-    app.state.router.client.record_stats(_stats())
+    app.state.router.client.record_stats(node_stats())
     return TestClient(app)
 
 

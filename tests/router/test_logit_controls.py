@@ -9,10 +9,10 @@ from starlette.testclient import TestClient
 
 from engine.sampling_params import SamplingParams
 from router.app import create_app
-from router.config import RouterConfig
 from router.logit_controls import check_logit_controls, logit_control_params
 from router.schemas import CompletionRequest
-from tests.router.test_validation import _stats, assert_error
+from tests.router.test_validation import assert_error
+from tests.router.unlooped import node_stats, unlooped_router_config
 
 MODEL = "tiny"
 VOCAB = 512
@@ -20,15 +20,13 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def live(tiny_llama_dir):
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
+    config = unlooped_router_config(
+        tiny_llama_dir,
+        MODEL,
         node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
     )
     app = create_app(config)
-    app.state.router.client.record_stats(_stats(vocab_size=VOCAB))
+    app.state.router.client.record_stats(node_stats(vocab_size=VOCAB))
     return TestClient(app)
 
 

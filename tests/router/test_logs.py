@@ -16,6 +16,7 @@ from router.app import create_app
 from router.config import RouterConfig
 from router.stats_log import StatsLog
 from tests.router.test_streaming import MODEL, run_with_node
+from tests.router.unlooped import unlooped_router_config
 from wire.log_format import JSONFormatter, LogSettings
 from wire.messages import NodeStats
 
@@ -90,11 +91,9 @@ def test_request_id_is_bounded_to_128_safe_characters():
 @pytest.fixture(scope="module")
 def app_factory(tiny_llama_dir):
     def make(**settings):
-        config = RouterConfig(
-            model_path=tiny_llama_dir,
-            served_model_name=MODEL,
-            node_addresses=["tcp://127.0.0.1:1"],
-            listen_address="tcp://127.0.0.1:2",
+        config = unlooped_router_config(
+            tiny_llama_dir,
+            MODEL,
             **settings,
         )
         return TestClient(create_app(config))

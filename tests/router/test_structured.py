@@ -10,11 +10,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from router.app import create_app
-from router.config import RouterConfig
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.structured import structured_output_of
 from router.unsupported import NOT_IMPLEMENTED
 from router.validation import plan_chat, plan_completion
+from tests.router.unlooped import unlooped_router_config
 from text.tokenizer import load_tokenizer
 from wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH
 
@@ -48,12 +48,7 @@ MAPPING = [
 
 @pytest.fixture(scope="module")
 def config(tiny_llama_dir):
-    return RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
-    )
+    return unlooped_router_config(tiny_llama_dir, MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from router.app import create_app
-from router.config import RouterConfig
-from tests.router.test_validation import _stats, assert_error
+from tests.router.test_validation import assert_error
+from tests.router.unlooped import node_stats, unlooped_router_config
 
 MODEL = "org/tiny-model"  # an id with a slash, as a model path would be
 TEXT = "The capital of France is Paris."
@@ -17,11 +17,9 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def app(tiny_llama_dir):
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
+    config = unlooped_router_config(
+        tiny_llama_dir,
+        MODEL,
         node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
         max_body_bytes=4096,
     )
@@ -36,7 +34,7 @@ def client(app):
 
 @pytest.fixture
 def live(app, client):
-    app.state.router.client.record_stats(_stats(max_model_len=64))
+    app.state.router.client.record_stats(node_stats(max_model_len=64))
     return client
 
 

@@ -24,6 +24,7 @@ from router.tools import (
     template_input,
 )
 from router.validation import plan_chat
+from tests.router.unlooped import unlooped_router_config
 from tests.text.test_chat_template_tools import HERMES_TEMPLATE, PLAIN_TEMPLATE
 from tests.text.test_detokenizer import byte_level_tokenizer
 from tests.text.test_tokenizer import save_folder
@@ -60,12 +61,7 @@ def request(**fields) -> ChatCompletionRequest:
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir):
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
-    )
+    config = unlooped_router_config(tiny_llama_dir, MODEL)
     return TestClient(create_app(config))
 
 

@@ -10,12 +10,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from router.app import create_app
-from router.config import RouterConfig
 from router.unsupported import (
     MAX_LOGGED_NAME_CHARS,
     NOT_IMPLEMENTED,
     UnknownFieldLog,
 )
+from tests.router.unlooped import unlooped_router_config
 
 MODEL = "tiny"
 COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 2})
@@ -27,12 +27,7 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir):
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
-    )
+    config = unlooped_router_config(tiny_llama_dir, MODEL)
     return TestClient(create_app(config))
 
 

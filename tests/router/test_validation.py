@@ -13,35 +13,17 @@ from starlette.testclient import TestClient
 
 from router.app import create_app
 from router.config import RouterConfig
-from wire.messages import NodeStats
+from tests.router.unlooped import node_stats, unlooped_router_config
 
 MODEL = "tiny"
 KEY = "sekret-key"
 
 
-def _stats(max_model_len: int = 64, vocab_size: int = 512) -> NodeStats:
-    return NodeStats(
-        node_id="n0",
-        role="colocated",
-        max_model_len=max_model_len,
-        vocab_size=vocab_size,
-        num_waiting=0,
-        num_running=0,
-        num_free_blocks=10,
-        num_total_blocks=10,
-        num_preemptions=0,
-        prompt_tokens_total=0,
-        generation_tokens_total=0,
-    )
-
-
 @pytest.fixture(scope="module")
 def app(tiny_llama_dir):
-    config = RouterConfig(
-        model_path=tiny_llama_dir,
-        served_model_name=MODEL,
-        node_addresses=["tcp://127.0.0.1:1"],
-        listen_address="tcp://127.0.0.1:2",
+    config = unlooped_router_config(
+        tiny_llama_dir,
+        MODEL,
         node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
         max_body_bytes=4096,
     )
@@ -56,7 +38,7 @@ def client(app):
 
 @pytest.fixture
 def live(app, client):
-    app.state.router.client.record_stats(_stats())
+    app.state.router.client.record_stats(node_stats())
     return client
 
 
@@ -79,7 +61,7 @@ def test_health_with_live_node_is_200(live):
 
 
 def test_node_that_stopped_reporting_is_dead(app, client):
-    node = app.state.router.client.record_stats(_stats())
+    node = app.state.router.client.record_stats(node_stats())
     node.last_seen = time.monotonic() - app.state.router.client.node_timeout_s - 1
     assert client.get("/health").status_code == 503
 

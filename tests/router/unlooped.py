@@ -1,0 +1,36 @@
+"""A router app with no node process behind it: one configured node address that nothing
+binds, so a test decides whether a node is live by injecting its NodeStats (`node_stats`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from router.config import RouterConfig
+from wire.messages import NodeStats
+
+
+def unlooped_router_config(model_path: Path, served_model_name: str, **settings) -> RouterConfig:
+    return RouterConfig(
+        model_path=model_path,
+        served_model_name=served_model_name,
+        node_addresses=["tcp://127.0.0.1:1"],
+        listen_address="tcp://127.0.0.1:2",
+        **settings,
+    )
+
+
+def node_stats(max_model_len: int = 64, vocab_size: int = 512) -> NodeStats:
+    """What a live colocated node reports, idle, with 10 free blocks."""
+    return NodeStats(
+        node_id="n0",
+        role="colocated",
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=10,
+        num_total_blocks=10,
+        num_preemptions=0,
+        prompt_tokens_total=0,
+        generation_tokens_total=0,
+    )
