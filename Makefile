@@ -34,7 +34,7 @@ test-stress: install
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) -m bench.offline
+	$(PY) -m pdserve.bench.offline
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,7 +1,7 @@
 """Burst benchmark: N streaming completions sent at the same instant, against deployments this
 script starts fresh, one after the other.
 
-    python -m bench.burst [--bursts 100,300,1000] [--deployments colocated,1p1d]
+    python -m pdserve.bench.burst [--bursts 100,300,1000] [--deployments colocated,1p1d]
                           [--prompt-len 140] [--max-tokens 16] [--model DIR] [--timeout 300]
                           [--server-arg=--max-queued-requests=256 ...] [--out-dir DIR]
 
@@ -43,12 +43,12 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.burst_report import markdown
-from bench.serve_metrics import percentile
-from bench.sweep import CONFIGS as DEPLOYMENTS
-from bench.sweep import say
-from node.config import CONFIG_ENV as NODE_CONFIG_ENV
-from pdserve.serve_process import ServeProcess
+from pdserve.bench.burst_report import markdown
+from pdserve.bench.serve_metrics import percentile
+from pdserve.bench.sweep import CONFIGS as DEPLOYMENTS
+from pdserve.bench.sweep import say
+from pdserve.commands.serve_process import ServeProcess
+from pdserve.node.config import CONFIG_ENV as NODE_CONFIG_ENV
 
 RESULTS = Path(__file__).parent / "results"
 REFUSAL_STATUSES = (429, 503)
@@ -300,7 +300,7 @@ def process_label(argv: list[str], node_config: str | None = None) -> str:
     if node_config is not None:
         return json.loads(node_config)["node"]["node_id"].split(".")[0]
     if "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1]
+        return argv[argv.index("-m") + 1].removeprefix("pdserve.")
     return Path(argv[0]).name if argv else "?"
 
 
@@ -370,8 +370,8 @@ def run_deployment(
     prompts_by_burst: dict[int, list[list[int]]],
     vocab: list[int],
 ) -> dict:
-    from bench.serve_datasets import warmup_requests
-    from bench.serve_load import discover_model
+    from pdserve.bench.serve_datasets import warmup_requests
+    from pdserve.bench.serve_load import discover_model
 
     model_flags = ["--model", args.model] if args.model else []
     flags = [*model_flags, *DEPLOYMENTS[name], *args.server_arg]
@@ -421,7 +421,7 @@ def _positive_ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.burst",
+        prog="python -m pdserve.bench.burst",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -463,16 +463,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import shlex
 
-    from bench.machine import load_average, machine_info
-    from bench.serve_datasets import RandomSpec, random_requests
-    from bench.serve_report import json_safe
-    from bench.serve_vocab import load_vocabulary
+    from pdserve.bench.machine import load_average, machine_info
+    from pdserve.bench.serve_datasets import RandomSpec, random_requests
+    from pdserve.bench.serve_report import json_safe
+    from pdserve.bench.serve_vocab import load_vocabulary
 
     raw = sys.argv[1:] if argv is None else argv
     args = parse_args(raw)
     machine = machine_info()
     if args.model is None:
-        from model_store.default_model import ensure_default_model
+        from pdserve.model_store.default_model import ensure_default_model
 
         vocab = load_vocabulary(str(ensure_default_model()), None)
     else:
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = json_safe(
         {
-            "command": shlex.join(["python", "-m", "bench.burst", *raw]),
+            "command": shlex.join(["python", "-m", "pdserve.bench.burst", *raw]),
             "machine": machine,
             "setup": setup,
             "deployments": deployments,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.report import md_table
+from pdserve.bench.report import md_table
 
 
 def _finite(value: float | None) -> bool:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from bench.bandwidth import best_time
-from bench.hooks import abort_all, patched, timed
-from bench.workload import greedy
+from pdserve.bench.bandwidth import best_time
+from pdserve.bench.hooks import abort_all, patched, timed
+from pdserve.bench.workload import greedy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def measure_decode_b1(engine: Any, prompt: list[int], num_steps: int) -> DecodeT
 
 def linear_calls(model: torch.nn.Module) -> list[Callable[[], torch.Tensor]]:
     """One batch-1 call per engine Linear of the model (lm_head included), in module order."""
-    from engine.layers.linear import Linear
+    from pdserve.engine.layers.linear import Linear
 
     calls: list[Callable[[], torch.Tensor]] = []
     for module in model.modules():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.machine import command_line, load_average
-from bench.report import md_table
+from pdserve.bench.machine import command_line, load_average
+from pdserve.bench.report import md_table
 
 TARGET_ITL_RATIO = 3.0
 TARGET_GOODPUT_RATIO = 1.5

@@ -1,6 +1,6 @@
 """Disaggregated vs colocated serving on equal hardware, through the same HTTP API.
 
-    python -m bench.disagg_vs_colocated [--quick]
+    python -m pdserve.bench.disagg_vs_colocated [--quick]
 
 On this 2-core CPU: 1 prefill node + 1 decode node with one thread each, against one colocated
 node with two threads (the CPU-host analogue of 1 GPU each vs 2 GPUs of colocated replicas is
@@ -18,10 +18,10 @@ import random
 import time
 from pathlib import Path
 
-from bench.disagg_report import build_report, plot
-from bench.machine import machine_info
-from bench.serve_load import LoadRequest, run_load, summarize
-from pdserve.serve_process import ServeProcess
+from pdserve.bench.disagg_report import build_report, plot
+from pdserve.bench.machine import machine_info
+from pdserve.bench.serve_load import LoadRequest, run_load, summarize
+from pdserve.commands.serve_process import ServeProcess
 
 RESULTS = Path(__file__).parent / "results"
 MODES = {
@@ -31,7 +31,7 @@ MODES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.disagg_vs_colocated")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.disagg_vs_colocated")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--rates", default="0.2,0.4,0.8", help="requests/s, comma-separated")
     parser.add_argument("--requests", type=int, default=16, help="per rate")
@@ -61,8 +61,8 @@ def make_requests(vocab: list[int], count: int, rate: float, args) -> list[LoadR
 
 
 def vocabulary(model: str | None) -> list[int]:
-    from model_store.default_model import ensure_default_model
-    from text.tokenizer import load_tokenizer
+    from pdserve.model_store.default_model import ensure_default_model
+    from pdserve.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model) if model else ensure_default_model())
     special = tokenizer.added_token_ids
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:  # the plot is the run's last step
         raise SystemExit(
-            "python -m bench.disagg_vs_colocated: needs matplotlib for its plot: pip install 'pdserve[bench]'"
+            "python -m pdserve.bench.disagg_vs_colocated: needs matplotlib for its plot: "
+            "pip install 'pdserve[bench]'"
         )
     machine = machine_info()
     vocab = vocabulary(args.model)

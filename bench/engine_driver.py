@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.workload import greedy
+from pdserve.bench.workload import greedy
 
 
 @dataclass

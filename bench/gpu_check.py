@@ -19,7 +19,8 @@ serve-1p1d and llama8b are the checks of bench/gpu_checks.py):
                  the same greedy text for the same concurrent requests over HTTP
   llama8b        a Llama-3-8B-shaped engine (config.json only, load_format="dummy", bf16): the
                  decode step at batch 1/32/256 against weight bytes / copy bandwidth
-  bench-kernels  `python -m bench.kernels --skip-step`: decode attention against copy bandwidth
+  bench-kernels  `python -m pdserve.bench.kernels --skip-step`: decode attention against copy
+  bandwidth
 
 Results go to one folder ($OUT when set, else bench/results/gpu_check/): gpu_check.md (the
 summary, also written to bench/results/gpu_check.md), gpu_check.json (every number),
@@ -54,6 +55,9 @@ TOTAL_BUDGET_S = 470
 REPORT_RESERVE_S = 10
 WHEELS_DIR = REPO_ROOT / ".gpu-wheels"
 SITE_DIR = Path(tempfile.gettempdir()) / "pdserve-gpu-check-site"
+# The checkout is not installed on the GPU machine: a folder whose `pdserve` links to it makes
+# its folders importable as `pdserve.<folder>`, as an installed wheel has them.
+CHECKOUT_LINK_DIR = Path(tempfile.gettempdir()) / "pdserve-gpu-check-checkout"
 SERVING_MODULES = ("zmq", "fastapi", "uvicorn", "pydantic", "starlette")
 KERNEL_TESTS = [
     "tests/kernels/test_store_kv.py",
@@ -163,11 +167,12 @@ def step_wheels(ctx: Context, limit_s: float) -> Outcome:
 
 
 def internal_step(name: str) -> Callable[[Context, float], Outcome]:
-    """A step that runs `python -m bench.gpu_checks NAME SCRATCH` and reads what it wrote."""
+    """A step that runs `python -m pdserve.bench.gpu_checks NAME SCRATCH` and reads what it
+    wrote."""
 
     def run(ctx: Context, limit_s: float) -> Outcome:
         result_path = ctx.scratch / f"{name}.json"
-        argv = [ctx.python, "-m", "bench.gpu_checks", name, str(ctx.scratch)]
+        argv = [ctx.python, "-m", "pdserve.bench.gpu_checks", name, str(ctx.scratch)]
         code = run_child(argv, ctx, limit_s)
         if code is None:
             return Outcome("timeout", detail=f"stopped after {limit_s:.0f} s")
@@ -241,7 +246,7 @@ STEPS = [
          internal_step("llama8b")),
     Step("bench-kernels", 70, "decode attention vs copy bandwidth (bench.kernels)",
          command_step("bench-kernels", lambda ctx: [
-             ctx.python, "-m", "bench.kernels", "--skip-step", "--copy-gib", "2",
+             ctx.python, "-m", "pdserve.bench.kernels", "--skip-step", "--copy-gib", "2",
              "--output", str(ctx.out_dir / "kernels.md")])),
 ]
 
@@ -264,8 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown steps {sorted(unknown)}; valid: {[s.name for s in STEPS]}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    CHECKOUT_LINK_DIR.mkdir(exist_ok=True)
+    link = CHECKOUT_LINK_DIR / "pdserve"
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(REPO_ROOT, target_is_directory=True)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SITE_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        p for p in (str(SITE_DIR), str(CHECKOUT_LINK_DIR), str(REPO_ROOT),
+                    env.get("PYTHONPATH", "")) if p
     )
     started = time.monotonic()
     outcomes: dict[str, Outcome] = {}

@@ -1,5 +1,5 @@
 """The checks of `make gpu-check` that run inside a child process of bench/gpu_check.py, one
-per process: `python -m bench.gpu_checks NAME SCRATCH` runs check NAME and writes
+per process: `python -m pdserve.bench.gpu_checks NAME SCRATCH` runs check NAME and writes
 SCRATCH/NAME.json ({"ok", "detail", "numbers"}), which the driver reads for its report.
 
   gpu         the device, its shared memory per block, the attention tiles chosen for it at
@@ -55,8 +55,8 @@ def check_gpu(scratch: Path) -> CheckResult:
     import torch
     import triton
 
-    from bench.kernels import copy_bandwidth
-    from kernels.tiles import device_shared_memory, tile_config
+    from pdserve.bench.kernels import copy_bandwidth
+    from pdserve.kernels.tiles import device_shared_memory, tile_config
 
     if not torch.cuda.is_available():
         return False, f"torch {torch.__version__} sees no CUDA device", {}
@@ -91,7 +91,7 @@ def launcher_visible_devices(num_nodes: int) -> list[str]:
     import torch
 
     try:
-        from pdserve.launcher import launcher_gpus, place_on_gpus
+        from pdserve.commands.launcher import launcher_gpus, place_on_gpus
     except ImportError:  # a launcher that numbers devices itself: one GPU, index 0 for all
         return ["0"] * num_nodes
     gpus = launcher_gpus(os.environ, torch.cuda.device_count())
@@ -101,7 +101,7 @@ def launcher_visible_devices(num_nodes: int) -> list[str]:
 def check_cuda_ipc(scratch: Path) -> CheckResult:
     import random
 
-    from kvtransfer.peer import PeerProcess
+    from pdserve.kvtransfer.peer import PeerProcess
 
     prefill_devices, decode_devices = launcher_visible_devices(2)
     peers = {}
@@ -168,7 +168,7 @@ def check_cuda_ipc(scratch: Path) -> CheckResult:
 def serve_flags(python: str) -> list[str]:
     """Flags for both deployments; those the CLI does not have yet are left out."""
     help_text = subprocess.run(
-        [python, "-m", "pdserve.cli", "serve", "--help"], capture_output=True, text=True,
+        [python, "-m", "pdserve.commands.cli", "serve", "--help"], capture_output=True, text=True,
         cwd=REPO_ROOT, check=False,
     ).stdout
     flags = ["--max-num-batched-tokens", "64", "--kv-cache-memory", str(64 << 20),
@@ -213,7 +213,7 @@ def complete_all(url: str, bodies: list[dict]) -> list[tuple[str, int]]:
 
 
 def check_serve_1p1d(scratch: Path) -> CheckResult:
-    from pdserve.serve_process import ServeProcess
+    from pdserve.commands.serve_process import ServeProcess
     from tests.tiny_models import save_tiny_model
 
     model_dir = save_tiny_model("llama", scratch / "tiny-llama")
@@ -268,8 +268,8 @@ def config_only_folder(folder: Path, config: dict) -> Path:
 def dummy_engine(folder: Path, device: str, dtype: str, max_batch: int, max_model_len: int):
     """An engine with random weights (load_format "dummy") and KV for `max_batch` sequences
     of `max_model_len` tokens; no prefix cache, no swap, so every step does the same work."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     block_size = 16
     return LLMEngine(EngineConfig(
@@ -288,7 +288,7 @@ def time_decode_steps(
     timed ones, synchronised with the device; the requests are aborted afterwards."""
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     cuda = engine.runner.device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
@@ -322,7 +322,7 @@ def time_decode_steps(
 def check_llama8b(scratch: Path) -> CheckResult:
     import torch
 
-    from bench.kernels import LLAMA_3_8B, copy_bandwidth
+    from pdserve.bench.kernels import LLAMA_3_8B, copy_bandwidth
 
     bandwidth = copy_bandwidth(torch.device("cuda"), 4.0)
     torch.cuda.empty_cache()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from bench.workload import Request, Throughput
+from pdserve.bench.workload import Request, Throughput
 
 
 def load_hf_model(model_path: Path) -> Any:

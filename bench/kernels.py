@@ -17,8 +17,9 @@ What it measures (bf16, 32 query heads, 8 KV heads, head dim 128, blocks of 16 t
 
 Times are medians of ``triton.testing.do_bench`` (which flushes the L2 cache between runs).
 
-    python -m bench.kernels                 # everything (a few minutes; ~40 GB of GPU memory)
-    python -m bench.kernels --skip-step     # attention only
+    python -m pdserve.bench.kernels                 # everything (a few minutes; ~40 GB of GPU
+    memory)
+    python -m pdserve.bench.kernels --skip-step     # attention only
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python bench/kernels.py` puts bench/ first, not the root
-    sys.path.insert(0, str(REPO_ROOT))
 
-from bench.machine import command_line, machine_info
+from pdserve.bench.machine import command_line, machine_info
 
 GIB = 2**30
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 32, 8, 128, 32, 16
@@ -106,7 +105,7 @@ class AttentionRun:
 
 
 def bench_attention(batch: int, context: int, device: torch.device) -> AttentionRun:
-    from kernels.decode_attention import decode_attention, plan_splits
+    from pdserve.kernels.decode_attention import decode_attention, plan_splits
 
     generator = torch.Generator(device=device).manual_seed(batch * context)
     blocks_per_seq = -(-context // BLOCK_SIZE)
@@ -147,8 +146,8 @@ def build_model(device: torch.device, max_positions: int) -> torch.nn.Module:
     """The engine's Llama with Llama-3-8B shapes and random bf16 weights made on the GPU."""
     from transformers import LlamaConfig
 
-    from engine.model_config import ModelConfig
-    from engine.models import model_class
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.models import model_class
 
     with tempfile.TemporaryDirectory() as folder:
         LlamaConfig(architectures=["LlamaForCausalLM"], **LLAMA_3_8B).save_pretrained(folder)
@@ -165,10 +164,10 @@ def build_model(device: torch.device, max_positions: int) -> torch.nn.Module:
 
 
 def bench_steps(batches: list[int], context: int, device: torch.device) -> list[StepRun]:
-    from engine.attention.triton_backend import TritonAttentionBackend
-    from engine.batch import build_flat_batch
-    from engine.cuda_graphs import DecodeGraphs
-    from engine.kv_cache import KVCache, KVCacheSpec
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+    from pdserve.engine.batch import build_flat_batch
+    from pdserve.engine.cuda_graphs import DecodeGraphs
+    from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 
     max_positions = context + 1
     model = build_model(device, max_positions)
@@ -285,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "bench.kernels measures Triton kernels on a CUDA GPU, and this machine has none "
+            "pdserve.bench.kernels measures Triton kernels on a CUDA GPU, and this machine has "
+            "none "
             f"(torch {torch.__version__}: torch.cuda.is_available() is False). Nothing was "
-            "measured. Run `python -m bench.kernels` on a machine with an NVIDIA GPU.",
+            "measured. Run `python -m pdserve.bench.kernels` on a machine with an NVIDIA GPU.",
             file=sys.stderr,
         )
         return 2

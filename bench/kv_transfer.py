@@ -1,7 +1,7 @@
 """KV transfer bandwidth per transport against memcpy, and how much of it chunked prefill hides.
 
-1. Bandwidth. A decode peer process (`python -m kvtransfer.peer`) registers a KV buffer shaped
-   like the default model's (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, fp32, 16-token
+1. Bandwidth. A decode peer process (`python -m pdserve.kvtransfer.peer`) registers a KV buffer
+   shaped like the default model's (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, fp32, 16-token
    blocks, 720 KiB per block). This process writes the blocks of one transfer (1 to 512 MiB,
    consecutive block ids; shm also with shuffled ids) and waits for the decode side's commit:
    GB/s = bytes / (write call -> COMPLETE), best of --repeats. Reference: a same-process
@@ -14,8 +14,8 @@
    Transfer time = time outside the forward passes; hidden share = 1 - overlapped transfer time
    / synchronous transfer time. The forward's own slowdown while copies run is shown beside it.
 
-    python -m bench.kv_transfer            # full run (a few minutes on 2 cores)
-    python -m bench.kv_transfer --quick    # 1-64 MiB, short prompt, one repeat
+    python -m pdserve.bench.kv_transfer            # full run (a few minutes on 2 cores)
+    python -m pdserve.bench.kv_transfer --quick    # 1-64 MiB, short prompt, one repeat
 """
 
 from __future__ import annotations
@@ -36,15 +36,13 @@ import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python bench/kv_transfer.py` puts bench/ first
-    sys.path.insert(0, str(REPO_ROOT))
 
-from bench.machine import command_line, load_average, machine_info
-from bench.report import md_table
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import ChannelSender, KVDescriptor, SenderConfig, TransferKind
-from kvtransfer.descriptor import dtype_name
-from kvtransfer.peer import PeerProcess
+from pdserve.bench.machine import command_line, load_average, machine_info
+from pdserve.bench.report import md_table
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer import ChannelSender, KVDescriptor, SenderConfig, TransferKind
+from pdserve.kvtransfer.descriptor import dtype_name
+from pdserve.kvtransfer.peer import PeerProcess
 
 MIB = 2**20
 GB = 1e9
@@ -175,7 +173,7 @@ def tcp_sink() -> None:
 
 
 def measure_tcp(sizes: list[int], repeats: int) -> dict[int, float]:
-    sink = subprocess.Popen([sys.executable, "-m", "bench.kv_transfer", "--tcp-sink"],
+    sink = subprocess.Popen([sys.executable, "-m", "pdserve.bench.kv_transfer", "--tcp-sink"],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         connection = socket.create_connection(("127.0.0.1", int(sink.stdout.readline())))
@@ -247,10 +245,10 @@ def _verdict(transport: str, size_mib: int, ratio: float, target: float) -> str:
 
 
 def overlap_rows(args, logs: Path) -> tuple[list[list[str]], str]:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from kvtransfer.fingerprint import model_fingerprint
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer.fingerprint import model_fingerprint
 
     engine = LLMEngine(EngineConfig(
         model=args.model, max_num_batched_tokens=args.chunk_tokens,

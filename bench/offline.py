@@ -25,15 +25,14 @@ batch-1 tokens on the requests that ran in (3).
 
 The report is printed and written as markdown to ``--output``.
 
-    python -m bench.offline                       # full default run (10-20 min on 2 cores)
-    python -m bench.offline --num-requests 8 --hf-single-requests 2 --output /tmp/o.md
+    python -m pdserve.bench.offline                       # full default run (10-20 min on 2 cores)
+    python -m pdserve.bench.offline --num-requests 8 --hf-single-requests 2 --output /tmp/o.md
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,17 +40,15 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python bench/offline.py` puts bench/ first, not the root
-    sys.path.insert(0, str(REPO_ROOT))
 
-from bench.bandwidth import Bandwidth, measure_bandwidth
-from bench.decode_b1 import measure_decode_b1, time_linears_b1
-from bench.hf_baselines import load_hf_model, run_hf_batched, run_hf_single
-from bench.machine import command_line, load_average, machine_info
-from bench.parity import first_differences, parity_lines
-from bench.profiling import profile_decode, profile_decode_b1, profile_prefill
-from bench.report import build_report
-from bench.workload import Request, Throughput, greedy, make_workload
+from pdserve.bench.bandwidth import Bandwidth, measure_bandwidth
+from pdserve.bench.decode_b1 import measure_decode_b1, time_linears_b1
+from pdserve.bench.hf_baselines import load_hf_model, run_hf_batched, run_hf_single
+from pdserve.bench.machine import command_line, load_average, machine_info
+from pdserve.bench.parity import first_differences, parity_lines
+from pdserve.bench.profiling import profile_decode, profile_decode_b1, profile_prefill
+from pdserve.bench.report import build_report
+from pdserve.bench.workload import Request, Throughput, greedy, make_workload
 
 GIB = 2**30
 
@@ -86,13 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_model(model: str | None) -> Path:
     if model is not None:
         return Path(model)
-    from model_store.default_model import ensure_default_model
+    from pdserve.model_store.default_model import ensure_default_model
 
     return ensure_default_model()
 
 
 def build_llm(model_path: Path, args: argparse.Namespace) -> Any:
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(
         str(model_path),
@@ -134,7 +131,7 @@ def bench_pdserve(
     args: argparse.Namespace, model_path: Path, results: dict[str, Any]
 ) -> tuple[list[Request], list[list[int]]]:
     """pdserve's part: throughput, batch-1 decode vs the floor, profiles. Fills `results`."""
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     say("loading pdserve")
     llm = build_llm(model_path, args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.workload import Request
+from pdserve.bench.workload import Request
 
 
 def first_differences(

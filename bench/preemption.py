@@ -1,6 +1,6 @@
 """Preemption cures and admission policies under KV pressure, on the real engine.
 
-    python -m bench.preemption [--quick]
+    python -m pdserve.bench.preemption [--quick]
 
 1. Recompute vs swap vs auto (`--preemption-mode`) on two workloads, every request arriving at
    once into a KV cache that holds only a few of them: long prompts with short outputs, and
@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.machine import command_line, machine_info
-from bench.report import md_table
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.bench.machine import command_line, machine_info
+from pdserve.bench.report import md_table
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -260,7 +260,7 @@ def build_report(args, machine, cures: dict[str, list[Run]], admission: list[Run
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.preemption")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.preemption")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--blocks-long-prompt", type=int, default=160)

@@ -1,6 +1,6 @@
 """Prefix cache off vs on, in one run, on the same engine settings and the same requests.
 
-    python -m bench.prefix_cache [--quick]
+    python -m pdserve.bench.prefix_cache [--quick]
 
 1. RAG: a 2,000-token system prompt shared by every request, a distinct 500-token document and
    a 20-token question each, 16-token answers. Poisson arrivals at `--load` times the cache-off
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.engine_driver import Record, drive, ideal_cached_tokens
-from bench.machine import machine_info
-from bench.prefix_report import build_report
-from bench.prefix_workloads import (
+from pdserve.bench.engine_driver import Record, drive, ideal_cached_tokens
+from pdserve.bench.machine import machine_info
+from pdserve.bench.prefix_report import build_report
+from pdserve.bench.prefix_workloads import (
     ChatConversations,
     ChatShape,
     RagShape,
@@ -39,7 +39,9 @@ RESULTS = Path(__file__).parent / "results" / "prefix_cache.md"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefix_cache", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.prefix_cache", description=__doc__
+    )
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--rag-requests", type=int, default=16)
     parser.add_argument("--load", type=float, default=0.8, help="of cache-off capacity")
@@ -85,8 +87,8 @@ class TimedEngine:
 
 
 def build_engines(args: argparse.Namespace) -> dict[bool, TimedEngine]:
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     engines = {}
     for enabled in (False, True):

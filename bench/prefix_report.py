@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench.machine import command_line, load_average
-from bench.report import md_table
+from pdserve.bench.machine import command_line, load_average
+from pdserve.bench.report import md_table
 
 TARGET_TTFT_RATIO = 8.0
 TARGET_HIT_FRACTION = 0.9

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.engine_driver import Arrival, Record
+from pdserve.bench.engine_driver import Arrival, Record
 
 
 @dataclass(frozen=True)

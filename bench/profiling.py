@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bench.hooks import abort_all, counted, labelled, patched, step_until
-from bench.workload import Request, greedy
+from pdserve.bench.hooks import abort_all, counted, labelled, patched, step_until
+from pdserve.bench.workload import Request, greedy
 
 PHASES = ("pd.step", "pd.schedule", "pd.build_batch", "pd.attn_prepare", "pd.model", "pd.sample")
 
@@ -37,7 +37,7 @@ class ProfileSummary:
 @contextmanager
 def labelled_phases(engine: Any) -> Iterator[None]:
     """Wraps the engine's phases in profiler ranges: schedule, batch, metadata, model, sample."""
-    from engine import model_runner
+    from pdserve.engine import model_runner
 
     runner = engine.runner
     with (

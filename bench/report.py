@@ -8,10 +8,10 @@ import argparse
 import statistics
 from typing import Any
 
-from bench.bandwidth import Bandwidth
-from bench.decode_b1 import DecodeTiming
-from bench.profiling import ProfileSummary
-from bench.workload import Throughput
+from pdserve.bench.bandwidth import Bandwidth
+from pdserve.bench.decode_b1 import DecodeTiming
+from pdserve.bench.profiling import ProfileSummary
+from pdserve.bench.workload import Throughput
 
 TARGET_VS_HF_BATCHED = 3.0
 TARGET_VS_HF_SINGLE = 10.0

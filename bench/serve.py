@@ -1,6 +1,6 @@
 """Serving benchmark against any OpenAI-compatible server (pdserve, vLLM, SGLang).
 
-    python -m bench.serve --base-url http://127.0.0.1:8000 --dataset random \\
+    python -m pdserve.bench.serve --base-url http://127.0.0.1:8000 --dataset random \\
         --input-len 256 --output-len 64 --num-prompts 50 --request-rate 2 \\
         --slo ttft:2000,tpot:100 --result-json out.json
     pdserve bench serve ...      (the same flags)
@@ -20,20 +20,20 @@ import os
 import sys
 from pathlib import Path
 
-from bench.serve_datasets import warmup_requests
-from bench.serve_load import LoadOptions, discover_model, run_load, summarize
-from bench.serve_metrics import parse_slo
-from bench.serve_options import (
+from pdserve.bench.serve_datasets import warmup_requests
+from pdserve.bench.serve_load import LoadOptions, discover_model, run_load, summarize
+from pdserve.bench.serve_metrics import parse_slo
+from pdserve.bench.serve_options import (
     add_arrival_args,
     add_dataset_args,
     describe_dataset,
     timed_requests,
 )
-from bench.serve_report import markdown, record
-from bench.serve_vocab import load_vocabulary
+from pdserve.bench.serve_report import markdown, record
+from pdserve.bench.serve_vocab import load_vocabulary
 
 
-def build_parser(prog: str = "python -m bench.serve") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m pdserve.bench.serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Serving benchmark against any OpenAI-compatible server."
     )
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
     """Runs the benchmark the flags describe; returns the JSON record."""
     from tqdm import tqdm
 
-    from bench.machine import machine_info
+    from pdserve.bench.machine import machine_info
 
     slo = parse_slo(args.slo)
     if args.warmup < 0:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, command: str) -> dict:
     return record(command, machine, setup, metrics, timings)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.serve") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m pdserve.bench.serve") -> int:
     import json
     import shlex
 

@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.serve_arrivals import trace_times
-from bench.serve_load import LoadRequest
+from pdserve.bench.serve_arrivals import trace_times
+from pdserve.bench.serve_load import LoadRequest
 
 DATASETS = ("random", "shared-prefix", "chat", "trace")
 

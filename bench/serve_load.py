@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.serve_metrics import percentile, summarize
+from pdserve.bench.serve_metrics import percentile, summarize
 
 __all__ = [
     "LoadOptions",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.serve_load import RequestTiming
+    from pdserve.bench.serve_load import RequestTiming
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 QUANTILES = (50, 90, 99)

@@ -1,4 +1,5 @@
-"""Command-line flags shared by `bench.serve` and `bench.sweep`: the dataset, the token
+"""Command-line flags shared by `pdserve.bench.serve` and `pdserve.bench.sweep`: the dataset, the
+token
 vocabulary and the arrival process, and how they become a list of timed requests."""
 
 from __future__ import annotations
@@ -6,8 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from bench.serve_arrivals import arrival_times
-from bench.serve_datasets import (
+from pdserve.bench.serve_arrivals import arrival_times
+from pdserve.bench.serve_datasets import (
     DATASETS,
     ChatSpec,
     RandomSpec,
@@ -18,7 +19,7 @@ from bench.serve_datasets import (
     shared_prefix_requests,
     trace_requests,
 )
-from bench.serve_load import LoadRequest
+from pdserve.bench.serve_load import LoadRequest
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:

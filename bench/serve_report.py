@@ -7,9 +7,9 @@ import math
 from collections import Counter
 from typing import Any
 
-from bench.report import md_table
-from bench.serve_load import RequestTiming
-from bench.serve_metrics import LATENCIES, QUANTILES
+from pdserve.bench.report import md_table
+from pdserve.bench.serve_load import RequestTiming
+from pdserve.bench.serve_metrics import LATENCIES, QUANTILES
 
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E latency"}
 

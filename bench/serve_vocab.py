@@ -37,7 +37,7 @@ def range_vocabulary(vocab_size: int) -> Vocabulary:
 
 
 def tokenizer_vocabulary(folder: str | Path) -> Vocabulary:
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(Path(folder))
     special = tokenizer.added_token_ids
@@ -52,7 +52,7 @@ def load_vocabulary(tokenizer: str | None, vocab_size: int | None) -> Vocabulary
         return range_vocabulary(vocab_size)
     if tokenizer is not None:
         return tokenizer_vocabulary(tokenizer)
-    from model_store.default_model import default_model_dir, is_model_folder_complete
+    from pdserve.model_store.default_model import default_model_dir, is_model_folder_complete
 
     folder = default_model_dir()
     if not is_model_folder_complete(folder):

@@ -1,6 +1,6 @@
 """Batching policies and KV layouts compared by simulation, with a stand-in for the model.
 
-    python -m bench.sim_batching [--requests 512 --rate 0.5 --batch 32]
+    python -m pdserve.bench.sim_batching [--requests 512 --rate 0.5 --batch 32]
 
 No model runs: a step "computes" whatever is scheduled in it. Requests arrive as a Poisson
 process (per step) with prompt and output lengths from a chat-like distribution, and run under
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import command_line, machine_info
-from bench.report import md_table
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from pdserve.bench.machine import command_line, machine_info
+from pdserve.bench.report import md_table
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
 
 RESULTS = Path(__file__).parent / "results" / "sim_batching.md"
 
@@ -125,7 +125,7 @@ def run_continuous(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim_batching")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.sim_batching")
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--rate", type=float, default=0.5, help="arrivals per step")
     parser.add_argument("--batch", type=int, default=32)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from bench.hooks import abort_all, patched, timed
-from bench.machine import command_line, machine_info
-from engine import EngineConfig, SamplingParams
-from engine import sampler as sampler_module
-from engine.llm_engine import LLMEngine
+from pdserve.bench.hooks import abort_all, patched, timed
+from pdserve.bench.machine import command_line, machine_info
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.engine import sampler as sampler_module
+from pdserve.engine.llm_engine import LLMEngine
 
 RESULTS = Path(__file__).parent / "results"
 ITEM = {
@@ -122,7 +122,7 @@ def build_report(args, machine, rows: list[tuple[int, float, float, float]]) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.structured_output")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.structured_output")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])

@@ -1,6 +1,6 @@
 """Request-rate sweep over serving configurations, through the same HTTP API.
 
-    python -m bench.sweep [--configs colocated,1p1d,2p1d,1p1d-no-prefix-cache]
+    python -m pdserve.bench.sweep [--configs colocated,1p1d,2p1d,1p1d-no-prefix-cache]
                           [--rates 0.5,1,2,3] [dataset flags of bench.serve] [--quick]
 
 Each configuration is one `pdserve serve` (started and stopped here) with the flags below; at
@@ -25,12 +25,12 @@ import shlex
 import time
 from pathlib import Path
 
-from bench.serve_datasets import warmup_requests
-from bench.serve_load import LoadOptions, run_load, summarize
-from bench.serve_metrics import parse_slo
-from bench.serve_options import add_arrival_args, add_dataset_args, timed_requests
-from bench.serve_report import json_safe
-from bench.serve_vocab import load_vocabulary
+from pdserve.bench.serve_datasets import warmup_requests
+from pdserve.bench.serve_load import LoadOptions, run_load, summarize
+from pdserve.bench.serve_metrics import parse_slo
+from pdserve.bench.serve_options import add_arrival_args, add_dataset_args, timed_requests
+from pdserve.bench.serve_report import json_safe
+from pdserve.bench.serve_vocab import load_vocabulary
 
 CONFIGS = {
     "colocated": ["--colocated"],
@@ -53,7 +53,7 @@ QUICK = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.sweep", description=__doc__)
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     parser.add_argument("--rates", default="0.5,1,2,3", help="requests/s, comma-separated")
@@ -96,7 +96,7 @@ def sweep_config(
     name: str, args: argparse.Namespace, requests_by_rate: dict[float, list], vocab: list[int]
 ) -> dict[float, dict] | None:
     """One server for `name`, every rate in turn; None when the server did not start."""
-    from pdserve.serve_process import ServeProcess
+    from pdserve.commands.serve_process import ServeProcess
 
     model_flags = ["--model", args.model] if args.model else []
     flags = [*model_flags, *CONFIGS[name], *shlex.split(args.serve_flags)]
@@ -126,13 +126,14 @@ def sweep_config(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.machine import machine_info
-    from bench.sweep_report import build_report, plot
+    from pdserve.bench.machine import machine_info
+    from pdserve.bench.sweep_report import build_report, plot
 
     args = parse_args(argv)
     if importlib.util.find_spec("matplotlib") is None:  # the plot is the run's last step
         raise SystemExit(
-            "python -m bench.sweep: needs matplotlib for its plot: pip install 'pdserve[bench]'"
+            "python -m pdserve.bench.sweep: needs matplotlib for its plot: "
+            "pip install 'pdserve[bench]'"
         )
     machine = machine_info()
     try:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             for rate in args.rates
         }
     except ValueError as error:
-        raise SystemExit(f"python -m bench.sweep: {error}") from None
+        raise SystemExit(f"python -m pdserve.bench.sweep: {error}") from None
     results = {}
     for name in args.configs:
         say(f"{name}: pdserve serve {' '.join(CONFIGS[name])} {args.serve_flags}".rstrip())

@@ -10,9 +10,9 @@ import argparse
 import math
 from pathlib import Path
 
-from bench.machine import command_line, load_average
-from bench.report import md_table
-from bench.serve_options import describe_dataset
+from pdserve.bench.machine import command_line, load_average
+from pdserve.bench.report import md_table
+from pdserve.bench.serve_options import describe_dataset
 
 BASELINE = "colocated"
 

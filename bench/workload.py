@@ -51,6 +51,6 @@ def make_workload(
 
 def greedy(max_tokens: int) -> Any:
     """pdserve's sampling parameters for a request: greedy, exactly `max_tokens` tokens."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from node.config import NodeConfig
-from node.generation import Generation
-from node.runtime import NodeRuntime
-from wire.messages import Abort, Generate
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.node.config import NodeConfig
+from pdserve.node.generation import Generation
+from pdserve.node.runtime import NodeRuntime
+from pdserve.wire.messages import Abort, Generate
 
 
 class ColocatedNode(NodeRuntime):

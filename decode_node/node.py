@@ -46,15 +46,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
-from kvtransfer.fingerprint import model_fingerprint
-from node.config import NodeConfig
-from node.generation import Generation, choice_params, request_params
-from node.runtime import IDLE_POLL_MS, NodeRuntime
-from wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
+from pdserve.kvtransfer.fingerprint import model_fingerprint
+from pdserve.node.config import NodeConfig
+from pdserve.node.generation import Generation, choice_params, request_params
+from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime
+from pdserve.wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from pdserve.engine.sequence import Sequence
 
 ADMISSION_POLICIES = ("optimistic", "worst-case", "predicted")
 

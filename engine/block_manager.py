@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.block_pool import BlockPool
-from engine.prefix_cache import make_prefix_cache
-from engine.sequence import Sequence
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.prefix_cache import make_prefix_cache
+from pdserve.engine.sequence import Sequence
 
 
 class BlockManager:

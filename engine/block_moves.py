@@ -42,7 +42,9 @@ def copy_blocks(buffer: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     src = torch.tensor([s for s, _ in pairs], device=buffer.device)
     dst = torch.tensor([d for _, d in pairs], device=buffer.device)
     if buffer.device.type == "cuda":
-        from kernels.block_copy import copy_blocks as copy_blocks_kernel  # CPU never loads Triton
+        from pdserve.kernels.block_copy import (
+            copy_blocks as copy_blocks_kernel,  # CPU never loads Triton
+        )
 
         copy_blocks_kernel(buffer, src, dst)
         return

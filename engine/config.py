@@ -10,9 +10,9 @@ import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.admission import ADMISSION_POLICIES
-from engine.preemption import PREEMPTION_MODES
-from wire.config_flags import gib_to_bytes, option
+from pdserve.engine.admission import ADMISSION_POLICIES
+from pdserve.engine.preemption import PREEMPTION_MODES
+from pdserve.wire.config_flags import gib_to_bytes, option
 
 if TYPE_CHECKING:
     import torch
@@ -216,7 +216,7 @@ class EngineConfig:
             )
         if self.priority_aging_s < 0:
             raise ValueError(f"priority_aging_s must be >= 0, got {self.priority_aging_s}")
-        from engine.attention import ATTENTION_BACKENDS
+        from pdserve.engine.attention import ATTENTION_BACKENDS
 
         if self.attention_backend == "auto":
             self.attention_backend = default_attention_backend(self.resolve_device())

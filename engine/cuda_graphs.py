@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
-from engine.batch import FlatBatch
+from pdserve.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
+from pdserve.engine.batch import FlatBatch
 
 LARGEST_BUCKET = 512
 

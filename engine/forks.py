@@ -27,14 +27,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.block_manager import BlockManager
-from engine.prompt_logprobs import PromptTokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
 
 def check_choices(

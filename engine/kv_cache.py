@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_moves import copy_blocks
+from pdserve.engine.block_moves import copy_blocks
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

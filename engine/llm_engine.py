@@ -8,7 +8,7 @@ sampled tokens, finishes what ended (freeing blocks in the same step) and return
 whose KV leaves this engine (`export_prompt_blocks`, a prefill node's): a block is exported
 once all its tokens are computed (the partial last one with the prompt's last chunk), held
 for the caller before the step can end its request, so its KV stays until `release_blocks`. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
-live above it (`engine.output_processor`), which ends requests through `finish_request`.
+live above it (`pdserve.engine.output_processor`), which ends requests through `finish_request`.
 
 A request that breaks a batched step fails alone (engine/step_failure.py). A request with n > 1
 choices computes its prompt once and forks into them (engine/forks.py).
@@ -24,28 +24,28 @@ from typing import Any, NoReturn
 
 import torch
 
-from engine.admission import AdmissionPolicy
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.forks import Forks, check_choices
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
-from engine.model_runner import KVCacheFactory, ModelRunner
-from engine.models import model_class
-from engine.outputs import EngineStep, StepOutput
-from engine.preemption import PreemptionPolicy
-from engine.prompt_logprobs import PromptTokenLogprobs
-from engine.queue_wait import QueueWaitStats
-from engine.sampler import SampleResult, skip_sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from engine.sequence import Sequence
-from engine.step_failure import StepFailure, find_culprits
-from engine.structured_output import StructuredOutput
-from engine.swap_space import SwapSpace
-from engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
-from text.tokenizer import load_tokenizer
-from wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
+from pdserve.engine.admission import AdmissionPolicy
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.forks import Forks, check_choices
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
+from pdserve.engine.models import model_class
+from pdserve.engine.outputs import EngineStep, StepOutput
+from pdserve.engine.preemption import PreemptionPolicy
+from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.queue_wait import QueueWaitStats
+from pdserve.engine.sampler import SampleResult, skip_sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_failure import StepFailure, find_culprits
+from pdserve.engine.structured_output import StructuredOutput
+from pdserve.engine.swap_space import SwapSpace
+from pdserve.engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
+from pdserve.text.tokenizer import load_tokenizer
+from pdserve.wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 def _resolve_model_path(model: str | None) -> Path:
     if model is None:
-        from model_store.default_model import ensure_default_model
+        from pdserve.model_store.default_model import ensure_default_model
 
         return ensure_default_model()
     return Path(model)

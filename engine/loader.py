@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import LOAD_FORMATS
-from engine.model_config import ModelConfig
-from engine.models import model_class
+from pdserve.engine.config import LOAD_FORMATS
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import model_class
 
 DEFAULT_DUMMY_WEIGHT_STD = 0.02
 

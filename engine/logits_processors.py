@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 # A repetition penalty below this acts as this: it already lifts every seen token with a
 # positive logit above all others, and dividing by less could overflow fp32 logits to inf.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.memory_budget import DeviceMemory
+from pdserve.engine.memory_budget import DeviceMemory
 
 MIB = 1 << 20
 

@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import attention_backend_class
-from engine.attention.base import AttentionBackend
-from engine.batch import build_flat_batch
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from engine.cpu_allocator import keep_freed_memory_for_reuse
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import load_model
-from engine.memory_budget import kv_cache_budget
-from engine.memory_profile import (
+from pdserve.engine.attention import attention_backend_class
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.batch import build_flat_batch
+from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pdserve.engine.cpu_allocator import keep_freed_memory_for_reuse
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.loader import load_model
+from pdserve.engine.memory_budget import kv_cache_budget
+from pdserve.engine.memory_profile import (
     CudaMemoryStats,
     MemoryProfile,
     StepShape,
@@ -24,16 +24,16 @@ from engine.memory_profile import (
     max_step_shapes,
     profile_device_memory,
 )
-from engine.model_config import ModelConfig
-from engine.prompt_logprobs import ScoringPlan
-from engine.sampler import Sampler, SampleResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from wire.limits import MAX_LOGPROBS
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.prompt_logprobs import ScoringPlan
+from pdserve.engine.sampler import Sampler, SampleResult
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.wire.limits import MAX_LOGPROBS
 
 if TYPE_CHECKING:
-    from engine.cuda_graphs import DecodeGraphs
+    from pdserve.engine.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         graph_buckets: list[int] = []
         if config.cuda_graphs and self.device.type == "cuda":
-            from engine.cuda_graphs import decode_buckets
+            from pdserve.engine.cuda_graphs import decode_buckets
 
             graph_buckets = decode_buckets(config.max_num_seqs)
         num_blocks = config.num_kv_blocks or spec.num_blocks_for(
@@ -94,7 +94,7 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
-        from engine.cuda_graphs import DecodeGraphs
+        from pdserve.engine.cuda_graphs import DecodeGraphs
 
         config = self.config
         graphs = DecodeGraphs(

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.outputs import RequestOutput, StepOutput
-from engine.sampling_params import SamplingParams
-from text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.engine.outputs import RequestOutput, StepOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @dataclass

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prompt_logprobs import PromptTokenLogprobs
-from engine.sampler import TokenLogprobs
+from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sampler import TokenLogprobs
 
 
 @dataclass

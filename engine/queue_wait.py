@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class QueueWaitStats:

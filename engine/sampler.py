@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logits_processors import apply_logit_bias, apply_penalties
-from engine.sequence import Sequence
-from engine.structured_output import apply_grammar_masks
-from wire.limits import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
+from pdserve.engine.logits_processors import apply_logit_bias, apply_penalties
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.structured_output import apply_grammar_masks
+from pdserve.wire.limits import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
 
 
 @dataclass

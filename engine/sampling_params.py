@@ -9,7 +9,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from wire.limits import (
+from pdserve.wire.limits import (
     GREEDY_TEMPERATURE_BELOW,
     INT32_MAX,
     MAX_LOGIT_BIAS,
@@ -22,7 +22,7 @@ from wire.limits import (
     SEED_MAX,
     SEED_MIN,
 )
-from wire.structured_output import check_structured_output
+from pdserve.wire.structured_output import check_structured_output
 
 
 def _integer(name: str, value: Any, low: int, high: int) -> int:

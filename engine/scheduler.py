@@ -2,7 +2,8 @@
 
 Queues: `waiting` (new requests, and preempted ones: recomputed from scratch or swapped out to
 host memory) and `running` (holding device blocks). Both are ordered by rank (priority aged by
-arrival time, see `engine.sequence_queue`). Each `schedule()` call builds one step under a token
+arrival time, see `pdserve.engine.sequence_queue`). Each `schedule()` call builds one step under a
+token
 budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
   1. running sequences first, in rank order: a decode takes one token, an unfinished prefill
      takes the next chunk that fits the budget. When blocks run short, the lowest-ranked
@@ -28,12 +29,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from engine.admission import AdmissionPolicy
-from engine.block_manager import BlockManager
-from engine.preemption import PreemptionPolicy
-from engine.sequence import Sequence, SequenceStatus
-from engine.sequence_queue import PriorityOrder, SequenceQueue
-from engine.swap_space import SwapSpace
+from pdserve.engine.admission import AdmissionPolicy
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.preemption import PreemptionPolicy
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence_queue import PriorityOrder, SequenceQueue
+from pdserve.engine.swap_space import SwapSpace
 
 DEFAULT_PRIORITY_AGING_S = 10.0
 

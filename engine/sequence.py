@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling_params import SamplingParams
+from pdserve.engine.prompt_logprobs import PromptLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured_output import SequenceGrammar
+    from pdserve.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):

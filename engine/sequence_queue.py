@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class PriorityOrder:

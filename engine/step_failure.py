@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.scheduler import ScheduledSequence, SchedulerOutput
+from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from pdserve.engine.model_runner import ModelRunner
 
 
 class StepFailure(Exception):

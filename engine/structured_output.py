@@ -61,11 +61,11 @@ import llguidance
 import llguidance.torch
 import torch
 
-from wire.structured_output import GrammarError, spec_key
+from pdserve.wire.structured_output import GrammarError, spec_key
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
-    from text.tokenizer import Tokenizer
+    from pdserve.engine.sequence import Sequence
+    from pdserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

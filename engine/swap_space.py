@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from engine.block_moves import BlockStaging
-from engine.kv_cache import KVCache
+from pdserve.engine.block_moves import BlockStaging
+from pdserve.engine.kv_cache import KVCache
 
 
 class SwapSpace:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from engine.sampler import SampleResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.sequence import Sequence
+from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
 WARM_UP_MAX_TOKENS = 256
 WARM_UP_SHORT_PROMPT_TOKENS = 17

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import CACHE_DTYPES, check_index, kernel_runs_on
-from kernels.reference import copy_blocks_reference
+from pdserve.kernels.launch import CACHE_DTYPES, check_index, kernel_runs_on
+from pdserve.kernels.reference import copy_blocks_reference
 
 CHUNK = 1024
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import (
+from pdserve.kernels.launch import (
     LOG2_E,
     MIN_DOT_DIM,
     NO_WINDOW,
@@ -37,8 +37,13 @@ from kernels.launch import (
     kernel_runs_on,
     next_power_of_2,
 )
-from kernels.reference import decode_attention_reference
-from kernels.tiles import DecodeTiles, decode_candidates, device_shared_memory, launch_with_fallback
+from pdserve.kernels.reference import decode_attention_reference
+from pdserve.kernels.tiles import (
+    DecodeTiles,
+    decode_candidates,
+    device_shared_memory,
+    launch_with_fallback,
+)
 
 MIN_GROUP_ROWS = MIN_DOT_DIM
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import (
+from pdserve.kernels.launch import (
     LOG2_E,
     NO_WINDOW,
     check_index,
@@ -31,8 +31,8 @@ from kernels.launch import (
     dot_operands,
     kernel_runs_on,
 )
-from kernels.reference import prefill_attention_reference
-from kernels.tiles import (
+from pdserve.kernels.reference import prefill_attention_reference
+from pdserve.kernels.tiles import (
     PrefillTiles,
     device_shared_memory,
     launch_with_fallback,

@@ -11,14 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import (
+from pdserve.kernels.launch import (
     check_index,
     check_paged_cache,
     check_rows,
     kernel_runs_on,
     next_power_of_2,
 )
-from kernels.reference import store_kv_reference
+from pdserve.kernels.reference import store_kv_reference
 
 TOKENS_PER_PROGRAM = 8
 

@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.launch import MIN_DOT_DIM, dot_dim
+from pdserve.kernels.launch import MIN_DOT_DIM, dot_dim
 
 KIB = 1024
 # Shared memory a block may opt in to, by compute capability (CUDA C++ Programming Guide,

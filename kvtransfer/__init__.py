@@ -6,12 +6,18 @@ or streamed), ledger.py for completion and the late-write rule.
 
 from __future__ import annotations
 
-from kvtransfer.base import KVReceiver, KVSender, KVTransferError, TransferEvent, TransferKind
-from kvtransfer.descriptor import DescriptorMismatch, KVDescriptor
-from kvtransfer.outgoing import SenderConfig
-from kvtransfer.receiver import ChannelReceiver, ReceiverConfig
-from kvtransfer.sender import ChannelSender
-from kvtransfer.transports.registry import TRANSPORT_NAMES
+from pdserve.kvtransfer.base import (
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferEvent,
+    TransferKind,
+)
+from pdserve.kvtransfer.descriptor import DescriptorMismatch, KVDescriptor
+from pdserve.kvtransfer.outgoing import SenderConfig
+from pdserve.kvtransfer.receiver import ChannelReceiver, ReceiverConfig
+from pdserve.kvtransfer.sender import ChannelSender
+from pdserve.kvtransfer.transports.registry import TRANSPORT_NAMES
 
 __all__ = [
     "TRANSPORT_NAMES",

@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.descriptor import KVDescriptor
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer.descriptor import KVDescriptor
 
 
 class KVTransferError(RuntimeError):

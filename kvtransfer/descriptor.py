@@ -17,9 +17,9 @@ from typing import Any
 import msgpack
 import torch
 
-from engine.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
-from kvtransfer.messages import KVProtocolError
-from wire.messages import unpack_map
+from pdserve.engine.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
+from pdserve.kvtransfer.messages import KVProtocolError
+from pdserve.wire.messages import unpack_map
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from kvtransfer.base import KVTransferError, TransferEvent, TransferKind
+from pdserve.kvtransfer.base import KVTransferError, TransferEvent, TransferKind
 
 
 class EventBoard:

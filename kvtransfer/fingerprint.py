@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from engine.model_config import ModelConfig
+from pdserve.engine.model_config import ModelConfig
 
 
 def model_fingerprint(model_config: ModelConfig) -> str:

@@ -36,9 +36,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.base import TransferEvent, TransferKind
-from kvtransfer.messages import MAX_TRANSFER_ID_CHARS, Cancel, Committed
-from kvtransfer.strategies import WriteStrategy
+from pdserve.kvtransfer.base import TransferEvent, TransferKind
+from pdserve.kvtransfer.messages import MAX_TRANSFER_ID_CHARS, Cancel, Committed
+from pdserve.kvtransfer.strategies import WriteStrategy
 
 RECENT_TRANSFERS_REMEMBERED = 4096
 

@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from wire.messages import encode, unpack_map
+from pdserve.wire.messages import encode, unpack_map
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_TRANSFER_ID_CHARS = 256

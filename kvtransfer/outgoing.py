@@ -7,8 +7,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtransfer.transports.base import WriteStep
-from wire.cluster_auth import ClusterAuth
+from pdserve.kvtransfer.transports.base import WriteStep
+from pdserve.wire.cluster_auth import ClusterAuth
 
 
 @dataclass(frozen=True)

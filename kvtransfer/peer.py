@@ -1,7 +1,8 @@
 """KV transfer endpoints in their own process, driven by JSON lines: tests and benchmarks use
 it to put the decode or prefill side of a transfer in a second, real process.
 
-`python -m kvtransfer.peer` reads one JSON command per line on stdin and answers each with one
+`python -m pdserve.kvtransfer.peer` reads one JSON command per line on stdin and answers each with
+one
 JSON line on stdout ({"ok": true, ...} or {"ok": false, "error": ...}); logs go to stderr. It
 exits when stdin closes, closing every receiver and sender it opened (which unlinks the shared
 memory segments it owns). `PeerProcess` starts one and talks to it with timeouts on every read.
@@ -40,8 +41,8 @@ DEFAULT_FINGERPRINT = "unnamed-model"
 
 
 def kv_spec(fields: dict[str, Any]):
-    from engine.kv_cache import KVCacheSpec
-    from kvtransfer.descriptor import DTYPE_NAMES
+    from pdserve.engine.kv_cache import KVCacheSpec
+    from pdserve.kvtransfer.descriptor import DTYPE_NAMES
 
     return KVCacheSpec(**{**fields, "dtype": DTYPE_NAMES[fields["dtype"]]})
 
@@ -66,8 +67,8 @@ class Endpoints:
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from engine.kv_cache import KVCache
-        from kvtransfer import (
+        from pdserve.engine.kv_cache import KVCache
+        from pdserve.kvtransfer import (
             ChannelReceiver,
             ChannelSender,
             KVDescriptor,
@@ -152,13 +153,13 @@ def main() -> None:
 
 
 class PeerProcess:
-    """Drives one `python -m kvtransfer.peer` process; every read has a timeout."""
+    """Drives one `python -m pdserve.kvtransfer.peer` process; every read has a timeout."""
 
     def __init__(self, stderr_path: Path) -> None:
         self.stderr_path = stderr_path
         self._stderr = open(stderr_path, "w")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvtransfer.peer"],
+            [sys.executable, "-m", "pdserve.kvtransfer.peer"],
             cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
             text=True, bufsize=1,
         )

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import zmq
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.base import KVReceiver, TransferEvent, TransferKind
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.events import EventBoard
-from kvtransfer.faults import FaultInjector
-from kvtransfer.ledger import TransferLedger
-from kvtransfer.messages import (
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer.base import KVReceiver, TransferEvent, TransferKind
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.events import EventBoard
+from pdserve.kvtransfer.faults import FaultInjector
+from pdserve.kvtransfer.ledger import TransferLedger
+from pdserve.kvtransfer.messages import (
     Abandon,
     Ack,
     Begin,
@@ -41,11 +41,11 @@ from kvtransfer.messages import (
     decode_header,
     encode_header,
 )
-from kvtransfer.transports.base import ReceiverTransport
-from kvtransfer.transports.registry import receiver_transport
-from kvtransfer.transports.shm_segment import NODE_ID_PATTERN
-from kvtransfer.wakeup import Wakeup
-from wire.cluster_auth import ClusterAuth
+from pdserve.kvtransfer.transports.base import ReceiverTransport
+from pdserve.kvtransfer.transports.registry import receiver_transport
+from pdserve.kvtransfer.transports.shm_segment import NODE_ID_PATTERN
+from pdserve.kvtransfer.wakeup import Wakeup
+from pdserve.wire.cluster_auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import zmq
 
-from engine.kv_cache import KVCache
-from kvtransfer.base import KVSender, TransferEvent, TransferKind
-from kvtransfer.descriptor import KVDescriptor, check_compatible
-from kvtransfer.events import EventBoard
-from kvtransfer.faults import FaultInjector
-from kvtransfer.messages import (
+from pdserve.engine.kv_cache import KVCache
+from pdserve.kvtransfer.base import KVSender, TransferEvent, TransferKind
+from pdserve.kvtransfer.descriptor import KVDescriptor, check_compatible
+from pdserve.kvtransfer.events import EventBoard
+from pdserve.kvtransfer.faults import FaultInjector
+from pdserve.kvtransfer.messages import (
     MAX_TRANSFER_ID_CHARS,
     Abandon,
     Ack,
@@ -51,10 +51,10 @@ from kvtransfer.messages import (
     decode_header,
     encode_header,
 )
-from kvtransfer.outgoing import InFlight, OutgoingTransfer, SenderConfig, WriteJob
-from kvtransfer.transports.base import SenderTransport, WriteStep, plan_steps
-from kvtransfer.transports.registry import sender_transport
-from kvtransfer.wakeup import Wakeup
+from pdserve.kvtransfer.outgoing import InFlight, OutgoingTransfer, SenderConfig, WriteJob
+from pdserve.kvtransfer.transports.base import SenderTransport, WriteStep, plan_steps
+from pdserve.kvtransfer.transports.registry import sender_transport
+from pdserve.kvtransfer.wakeup import Wakeup
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from kvtransfer.messages import Data, Written
+from pdserve.kvtransfer.messages import Data, Written
 
 if TYPE_CHECKING:
-    from kvtransfer.transports.base import SenderTransport, WriteStep
+    from pdserve.kvtransfer.transports.base import SenderTransport, WriteStep
 
 
 class WriteStrategy(abc.ABC):

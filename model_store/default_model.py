@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from model_store.gguf_convert import convert_gguf_to_model_folder
+from pdserve.model_store.gguf_convert import convert_gguf_to_model_folder
 
 try:  # POSIX only; without it concurrent callers are not serialized.
     import fcntl

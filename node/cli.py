@@ -1,6 +1,7 @@
 """What every node's command line shares: engine flags, node addresses, signals, logging.
 
-`python -m colocated_node`, `python -m prefill_node` and `python -m decode_node` build their
+`python -m pdserve.colocated_node`, `python -m pdserve.prefill_node` and `python -m
+pdserve.decode_node` build their
 parser with `node_parser` (plus `add_kv_flags` for the roles that move KV), then call
 `run_node(args, role)`: logging set up from LogSettings (`--log-level`, `--log-format
 text|json`; wire/log_format.py), SIGTERM and SIGINT handlers installed before the (slow) model
@@ -16,7 +17,7 @@ Every flag is generated from EngineConfig's, NodeConfig's and LogSettings' field
 
 Device: a node runs on `--device` (default: the first GPU it sees, else the CPU), made the
 process's current CUDA device before the model loads. `pdserve serve` lists the node's own GPU
-first in its CUDA_VISIBLE_DEVICES (pdserve/launcher.py), so the default is the right one.
+first in its CUDA_VISIBLE_DEVICES (commands/launcher.py), so the default is the right one.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from kvtransfer import TRANSPORT_NAMES
-from node.config import CONFIG_ENV, NodeConfig
-from wire.cluster_auth import SECRET_ENV, ClusterAuth
-from wire.config_flags import add_flags, build
-from wire.log_format import LogSettings
+from pdserve.engine.config import EngineConfig
+from pdserve.kvtransfer import TRANSPORT_NAMES
+from pdserve.node.config import CONFIG_ENV, NodeConfig
+from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
+from pdserve.wire.config_flags import add_flags, build
+from pdserve.wire.log_format import LogSettings
 
 CONFIG_PARTS = {"engine": EngineConfig, "node": NodeConfig, "log": LogSettings}
 
@@ -136,7 +137,7 @@ def use_device(device: torch.device) -> None:
 
 def run_node(args: argparse.Namespace, role: Callable[..., Any]) -> int:
     """Runs the node `role(engine_config=..., config=...)` builds until a signal."""
-    logger = logging.getLogger("node")
+    logger = logging.getLogger("pdserve.node")
     signals: list[int] = []
     node = None
 

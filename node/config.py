@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from node.heartbeat import DEFAULT_STALL_LIMIT_S
-from wire.cluster_auth import ClusterAuth
-from wire.config_flags import option
+from pdserve.node.heartbeat import DEFAULT_STALL_LIMIT_S
+from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.config_flags import option
 
 # `pdserve serve` hands each node its settings as JSON here (node/cli.py).
 CONFIG_ENV = "PDSERVE_NODE_CONFIG"

@@ -28,11 +28,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engine.forks import join_prefilled_choices
-from engine.llm_engine import LLMEngine, StepFailure
-from engine.outputs import StepOutput
-from engine.sampling_params import SamplingParams
-from wire.messages import (
+from pdserve.engine.forks import join_prefilled_choices
+from pdserve.engine.llm_engine import LLMEngine, StepFailure
+from pdserve.engine.outputs import StepOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.messages import (
     Generate,
     PrefillDone,
     PrefillRequest,
@@ -40,7 +40,7 @@ from wire.messages import (
     TokenBatch,
     TokenUpdate,
 )
-from wire.structured_output import GrammarError
+from pdserve.wire.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 

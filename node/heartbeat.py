@@ -36,8 +36,8 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from wire.cluster_auth import ClusterAuth
-from wire.messages import Heartbeat, encode
+from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.messages import Heartbeat, encode
 
 logger = logging.getLogger(__name__)
 

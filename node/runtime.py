@@ -1,7 +1,7 @@
 """The loop every node process runs (colocated, prefill, decode), over ZeroMQ.
 
 Sockets (addresses come from the constructor; nothing is module-global):
-  PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `wire.messages`)
+  PULL, bound at `listen_address`     <- router and peer nodes (msgpack, `pdserve.wire.messages`)
   PUSH, connected to `router_address` -> router: TokenBatch, RequestFailed, NodeStats
   PUSH per peer address, on first use -> other nodes (PrefillRequest, PrefillDone)
   PUSH of the heartbeat thread        -> router: Heartbeat (node/heartbeat.py), every
@@ -40,10 +40,10 @@ from typing import Any, ClassVar
 
 import zmq
 
-from engine.llm_engine import LLMEngine
-from node.config import NodeConfig
-from node.heartbeat import HeartbeatThread
-from wire.messages import Heartbeat, NodeStats, ProtocolError, decode, encode
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.node.config import NodeConfig
+from pdserve.node.heartbeat import HeartbeatThread
+from pdserve.wire.messages import Heartbeat, NodeStats, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 

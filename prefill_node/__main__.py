@@ -1,4 +1,4 @@
-"""`python -m prefill_node --node-id ID --listen ADDR --router ADDR [--kv-transport shm]`.
+"""`python -m pdserve.prefill_node --node-id ID --listen ADDR --router ADDR [--kv-transport shm]`.
 
 Computes prompts for decode nodes (which send PrefillRequests naming their reserved blocks),
 writes their KV over `--kv-transport`, and sends each first token to the router. Serves until
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import sys
 
-from node.cli import add_kv_flags, node_parser, run_node
-from prefill_node.node import PrefillNode
+from pdserve.node.cli import add_kv_flags, node_parser, run_node
+from pdserve.prefill_node.node import PrefillNode
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = node_parser("python -m prefill_node", __doc__.split("\n\n")[0])
+    parser = node_parser("python -m pdserve.prefill_node", __doc__.split("\n\n")[0])
     add_kv_flags(parser, receiver=False)
     return run_node(parser.parse_args(argv), PrefillNode)
 

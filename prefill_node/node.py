@@ -34,15 +34,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, StepFailure
-from kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
-from kvtransfer.fingerprint import model_fingerprint
-from node.config import NodeConfig
-from node.generation import choice_params, request_params, step_failure
-from node.runtime import NodeRuntime
-from prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
-from wire.messages import (
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine, StepFailure
+from pdserve.kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
+from pdserve.kvtransfer.fingerprint import model_fingerprint
+from pdserve.node.config import NodeConfig
+from pdserve.node.generation import choice_params, request_params, step_failure
+from pdserve.node.runtime import NodeRuntime
+from pdserve.prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
+from pdserve.wire.messages import (
     Abort,
     ChoiceToken,
     PrefillDone,

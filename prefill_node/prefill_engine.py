@@ -24,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from engine.llm_engine import LLMEngine
-from engine.prompt_logprobs import PromptTokenLogprobs
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`python -m router --model PATH --node tcp://... --listen tcp://... [--port 8000]`.
+"""`python -m pdserve.router --model PATH --node tcp://... --listen tcp://... [--port 8000]`.
 
 Runs the app on uvicorn with uvloop and prints one line, "pdserve router listening on
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
@@ -29,11 +29,11 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from router.app import create_app
-from router.config import CONFIG_ENV, RouterConfig
-from router.drain import DrainingServer
-from wire.config_flags import add_flags, build, from_environment, in_flag_terms
-from wire.log_format import LogSettings
+from pdserve.router.app import create_app
+from pdserve.router.config import CONFIG_ENV, RouterConfig
+from pdserve.router.drain import DrainingServer
+from pdserve.wire.config_flags import add_flags, build, from_environment, in_flag_terms
+from pdserve.wire.log_format import LogSettings
 
 # Connections: one idle between requests (or since it opened) is closed after
 # KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within
@@ -165,7 +165,7 @@ def launcher_config(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m router", description=__doc__.split("\n")[0],
+        prog="python -m pdserve.router", description=__doc__.split("\n")[0],
         epilog=f"${CONFIG_ENV} (JSON, from `pdserve serve`) gives settings these flags override.",
     )
     add_flags(parser, RouterConfig)

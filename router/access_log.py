@@ -1,4 +1,4 @@
-"""The request id, and one access line per HTTP request (INFO, logger `router.access_log`).
+"""The request id, and one access line per HTTP request (INFO, logger `pdserve.router.access_log`).
 
 `AccessLog` is the app's outermost middleware. The request id is the client's `x-request-id`
 header when it is 1 to 128 characters of `A-Z a-z 0-9 . _ : @ / + = -`; anything else (absent,
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from router.generation import Generation
+    from pdserve.router.generation import Generation
 
 logger = logging.getLogger(__name__)
 

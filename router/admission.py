@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from router.config import RouterConfig
-from router.errors import APIError
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
 
 
 class AdmissionQueue:

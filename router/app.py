@@ -20,12 +20,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from router import routes, tokenization
-from router.access_log import AccessLog
-from router.auth import APIKeyMiddleware
-from router.config import RouterConfig
-from router.errors import RequestGuard, install_error_handlers
-from router.state import RouterState
+from pdserve.router import routes, tokenization
+from pdserve.router.access_log import AccessLog
+from pdserve.router.auth import APIKeyMiddleware
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import RequestGuard, install_error_handlers
+from pdserve.router.state import RouterState
 
 
 def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:

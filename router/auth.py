@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.errors import APIError
+from pdserve.router.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 

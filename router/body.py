@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from router.errors import APIError, ClientDisconnected, invalid
+from pdserve.router.errors import APIError, ClientDisconnected, invalid
 
 
 def _reject_constant(name: str) -> Any:

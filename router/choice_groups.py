@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.validation import Plan
+from pdserve.router.validation import Plan
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Router settings: one dataclass, built by the CLI or directly by tests.
 
 Each operator option's flag and help is its field's `option` metadata (wire/config_flags.py):
-`python -m router` generates its parser from them, and `pdserve serve` those it does not decide
+`python -m pdserve.router` generates its parser from them, and `pdserve serve` those it does not
+decide
 itself (`launcher_sets`); fields without one are set by code.
 """
 
@@ -13,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.node_registry import parse_node_spec
-from wire.cluster_auth import SECRET_ENV, ClusterAuth
-from wire.config_flags import option
-from wire.limits import MAX_CHOICES_PER_PROMPT
+from pdserve.router.node_registry import parse_node_spec
+from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
+from pdserve.wire.config_flags import option
+from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
 
 # `pdserve serve` hands the router its settings as JSON here: {"router": {RouterConfig field:
 # value}, "log": {LogSettings field: value}}; flags given override them (router/__main__.py).
@@ -31,7 +32,7 @@ def served_names(names: list[str]) -> dict[str, Any]:
 
 def chat_template_source(value: str) -> str:
     """`--chat-template`: a file's template, or the template itself (checked to parse)."""
-    from text.tokenizer import read_chat_template  # jinja2 and tokenizers, when given only
+    from pdserve.text.tokenizer import read_chat_template  # jinja2 and tokenizers, when given only
 
     return read_chat_template(value)
 

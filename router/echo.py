@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import invalid
-from router.prompts import PromptInput
-from wire.limits import INT32_MAX, MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
+from pdserve.router.errors import invalid
+from pdserve.router.prompts import PromptInput
+from pdserve.wire.limits import INT32_MAX, MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.admission import AdmissionQueue
-from router.choice_groups import ChoiceGroup, choice_groups
-from router.errors import APIError, ClientDisconnected, invalid
-from router.logprobs import check_prompt_entries
-from router.metrics import RouterMetrics
-from router.node_client import NodeClient
-from router.validation import Plan
-from text.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from wire.messages import RequestFailed, TokenUpdate
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.choice_groups import ChoiceGroup, choice_groups
+from pdserve.router.errors import APIError, ClientDisconnected, invalid
+from pdserve.router.logprobs import check_prompt_entries
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.node_client import NodeClient
+from pdserve.router.validation import Plan
+from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.wire.messages import RequestFailed, TokenUpdate
 
 DISCONNECT_POLL_S = 0.05
 WIRE_INT_RANGE = (-(1 << 63), 1 << 64)  # what msgpack can encode: int64 up to uint64

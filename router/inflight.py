@@ -25,9 +25,9 @@ import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from router.node_registry import NodeState
-from router.queue_delay import PromptQueues
-from wire.messages import Generate, TokenUpdate
+from pdserve.router.node_registry import NodeState
+from pdserve.router.queue_delay import PromptQueues
+from pdserve.wire.messages import Generate, TokenUpdate
 
 
 @dataclass

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from router.errors import invalid
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from wire.limits import (
+from pdserve.router.errors import invalid
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.wire.limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_PENALTY,

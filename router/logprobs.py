@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from wire.limits import MAX_LOGPROBS
+from pdserve.wire.limits import MAX_LOGPROBS
 
 LOWEST_LOGPROB = -9999.0
 

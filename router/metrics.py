@@ -28,8 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from router.scheduling_metrics import SchedulingCollector
-from wire.messages import NodeStats
+from pdserve.router.scheduling_metrics import SchedulingCollector
+from pdserve.wire.messages import NodeStats
 
 _LATENCY_BUCKETS = (
     0.005,

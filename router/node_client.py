@@ -48,14 +48,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from router.errors import APIError
-from router.inflight import InFlight, InFlightTable
-from router.node_links import NodeLinks
-from router.node_registry import NodeRegistry, NodeState
-from router.queue_delay import PromptQueues
-from router.routing import PrefillRouter, pick_decode_node
-from wire.cluster_auth import ClusterAuth
-from wire.messages import (
+from pdserve.router.errors import APIError
+from pdserve.router.inflight import InFlight, InFlightTable
+from pdserve.router.node_links import NodeLinks
+from pdserve.router.node_registry import NodeRegistry, NodeState
+from pdserve.router.queue_delay import PromptQueues
+from pdserve.router.routing import PrefillRouter, pick_decode_node
+from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.messages import (
     Choice,
     Generate,
     Heartbeat,

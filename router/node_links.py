@@ -22,9 +22,9 @@ import logging
 import zmq
 import zmq.asyncio
 
-from router.node_registry import NodeState
-from wire.cluster_auth import ClusterAuth
-from wire.messages import Abort, Generate, encode
+from pdserve.router.node_registry import NodeState
+from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.messages import Abort, Generate, encode
 
 logger = logging.getLogger(__name__)
 

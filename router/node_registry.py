@@ -9,7 +9,8 @@ sent the previous process. Its role (colocated, prefill, decode) comes from its 
 
 Liveness: a node is alive while its NodeStats or its Heartbeats (sent from a thread of their
 own every 0.5 s by default, during long engine steps too) keep arriving within
-`node_timeout_s` (`python -m router`: 1 s, two missed heartbeats); a Heartbeat counts only from
+`node_timeout_s` (`python -m pdserve.router`: 1 s, two missed heartbeats); a Heartbeat counts only
+from
 the process whose NodeStats were seen. `sweep()` notes each change of liveness (one log line
 each); the watchdog calls it on time and skips a round that itself ran late
 (router/node_client.py). `live()`, which routing and /health read between sweeps, counts a
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from wire.messages import Heartbeat, NodeStats
+from pdserve.wire.messages import Heartbeat, NodeStats
 
 logger = logging.getLogger(__name__)
 

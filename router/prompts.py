@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import invalid
+from pdserve.router.errors import invalid
 
 _FORMS = "a string, a list of token ids, a list of strings, or a list of token-id lists"
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from router.node_registry import NodeState
+from pdserve.router.node_registry import NodeState
 
 DRAIN_HORIZON_S = 10.0
 MIN_DRAIN_S = 0.5

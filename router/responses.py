@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from router import schemas
-from router.errors import APIError
-from router.generation import ChoiceEvent, Generation
-from router.logprobs import LogprobFormatter, merge_completion
-from router.sse import DONE, sse
-from router.tool_output import ToolCallOutput
+from pdserve.router import schemas
+from pdserve.router.errors import APIError
+from pdserve.router.generation import ChoiceEvent, Generation
+from pdserve.router.logprobs import LogprobFormatter, merge_completion
+from pdserve.router.sse import DONE, sse
+from pdserve.router.tool_output import ToolCallOutput
 
 logger = logging.getLogger(__name__)
 

@@ -25,16 +25,22 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from router.access_log import request_record
-from router.body import read_json_object
-from router.errors import APIError, at_request_end, error_body, validation_error
-from router.generation import Generation
-from router.responses import Responder
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.sse import EventStreamResponse
-from router.state import RouterState
-from router.unsupported import check_not_implemented, known_fields, unknown_fields
-from router.validation import Plan, check_kv_capacity, check_model, plan_chat, plan_completion
+from pdserve.router.access_log import request_record
+from pdserve.router.body import read_json_object
+from pdserve.router.errors import APIError, at_request_end, error_body, validation_error
+from pdserve.router.generation import Generation
+from pdserve.router.responses import Responder
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.sse import EventStreamResponse
+from pdserve.router.state import RouterState
+from pdserve.router.unsupported import check_not_implemented, known_fields, unknown_fields
+from pdserve.router.validation import (
+    Plan,
+    check_kv_capacity,
+    check_model,
+    plan_chat,
+    plan_completion,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from router.node_registry import NodeState
-from router.queue_delay import PromptQueues
+from pdserve.router.node_registry import NodeState
+from pdserve.router.queue_delay import PromptQueues
 
 
 def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from wire.messages import NodeStats
+from pdserve.wire.messages import NodeStats
 
 
 class SchedulingCollector:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wire.limits import INT32_MAX
+from pdserve.wire.limits import INT32_MAX
 
 MAX_USER_CHARS = 256
 

@@ -13,18 +13,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from router.admission import AdmissionQueue
-from router.config import RouterConfig
-from router.errors import APIError, invalid
-from router.logprobs import LogprobFormatter
-from router.metrics import RouterMetrics
-from router.node_client import NodeClient
-from router.node_registry import NodeState
-from router.prompt_chars import max_chars_per_token
-from router.stats_log import StatsLog
-from router.unsupported import UnknownFieldLog
-from router.validation import KVCapacity, Limits
-from text.tokenizer import load_tokenizer
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError, invalid
+from pdserve.router.logprobs import LogprobFormatter
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.node_client import NodeClient
+from pdserve.router.node_registry import NodeState
+from pdserve.router.prompt_chars import max_chars_per_token
+from pdserve.router.stats_log import StatsLog
+from pdserve.router.unsupported import UnknownFieldLog
+from pdserve.router.validation import KVCapacity, Limits
+from pdserve.text.tokenizer import load_tokenizer
 
 # Threads that tokenize and apply chat templates (HF tokenizers release the GIL while they
 # encode); the characters of a prompt are bounded before it gets there.

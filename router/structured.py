@@ -28,10 +28,10 @@ import json
 import re
 from typing import Any
 
-from router.errors import invalid
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.tools import ToolPlan, forced_spec
-from wire.structured_output import check_structured_output
+from pdserve.router.errors import invalid
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.tools import ToolPlan, forced_spec
+from pdserve.wire.structured_output import check_structured_output
 
 Request = CompletionRequest | ChatCompletionRequest
 Spec = dict[str, Any]

@@ -20,12 +20,12 @@ from typing import Any
 
 from fastapi import Request
 
-from router.body import read_json_object
-from router.errors import invalid
-from router.routes import parse_request
-from router.schemas import DetokenizeRequest, TokenizeRequest
-from router.state import RouterState
-from router.validation import chat_prompt, check_model, check_unicode
+from pdserve.router.body import read_json_object
+from pdserve.router.errors import invalid
+from pdserve.router.routes import parse_request
+from pdserve.router.schemas import DetokenizeRequest, TokenizeRequest
+from pdserve.router.state import RouterState
+from pdserve.router.validation import chat_prompt, check_model, check_unicode
 
 
 async def tokenize(request: Request) -> dict[str, Any]:

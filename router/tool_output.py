@@ -24,8 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.tool_parser import HermesParser, ParsedCall
-from router.tools import ToolMode, ToolPlan
+from pdserve.router.tool_parser import HermesParser, ParsedCall
+from pdserve.router.tools import ToolMode, ToolPlan
 
 
 def new_call_id() -> str:

@@ -32,9 +32,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import invalid
-from router.schemas import ChatCompletionRequest, ChatMessage
-from wire.structured_output import check_structured_output
+from pdserve.router.errors import invalid
+from pdserve.router.schemas import ChatCompletionRequest, ChatMessage
+from pdserve.wire.structured_output import check_structured_output
 
 MAX_TOOLS = 128
 MAX_TOOLS_JSON_CHARS = 64 * 1024

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from router.errors import invalid
+from pdserve.router.errors import invalid
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.config import RouterConfig
-from router.echo import PromptScoring, check_prompt_scoring, check_scored_prompt, echo_text
-from router.errors import APIError, invalid
-from router.logit_controls import check_logit_controls, logit_control_params
-from router.prompts import PromptInput, check_num_choices, split_prompts
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.structured import output_spec
-from router.tools import ToolPlan, check_tools, template_input
-from wire.limits import (
+from pdserve.router.config import RouterConfig
+from pdserve.router.echo import PromptScoring, check_prompt_scoring, check_scored_prompt, echo_text
+from pdserve.router.errors import APIError, invalid
+from pdserve.router.logit_controls import check_logit_controls, logit_control_params
+from pdserve.router.prompts import PromptInput, check_num_choices, split_prompts
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.structured import output_spec
+from pdserve.router.tools import ToolPlan, check_tools, template_input
+from pdserve.wire.limits import (
     GREEDY_TEMPERATURE_BELOW,
     INT32_MAX,
     MAX_LOGPROBS,

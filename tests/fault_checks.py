@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.config import CONFIG_ENV
+from pdserve.node.config import CONFIG_ENV
 
 SHM_DIR = Path("/dev/shm")
 HEARTBEAT_S = 0.5  # the nodes' default --heartbeat-interval

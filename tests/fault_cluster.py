@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.launcher import free_port
+from pdserve.commands.launcher import free_port
 from tests.fault_checks import assert_no_leaked_blocks
 
 SHM_DIR = Path("/dev/shm")
@@ -65,7 +65,7 @@ class Cluster:
                  ["--kv-transport", kv_transport, *decode_flags]),
             ]
         router_argv = [
-            sys.executable, "-m", "router", "--model", str(model_dir),
+            sys.executable, "-m", "pdserve.router", "--model", str(model_dir),
             "--served-model-name", MODEL_NAME, "--listen", router_address,
             "--port", str(self.port), *router_flags,
         ]
@@ -294,7 +294,7 @@ class LogCursor:
 
 def greedy_texts(llm, requests) -> dict[tuple[int, ...], str]:
     """Reference text of each (prompt ids, max_tokens) request: greedy, EOS ignored."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     outputs = llm.generate(
         [list(p) for p, _ in requests],

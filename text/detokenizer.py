@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from text.tokenizer import Tokenizer
+    from pdserve.text.tokenizer import Tokenizer
 
 # What a byte-level or byte-fallback decoder yields for an incomplete UTF-8 sequence.
 _REPLACEMENT_CHAR = "\ufffd"

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as Backend
 
-from text.chat_template import compile_template, render_chat
+from pdserve.text.chat_template import compile_template, render_chat
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _CLEANUPS = (

@@ -1,5 +1,6 @@
 """How every pdserve process logs: `LogSettings` (from `--log-level`, `--log-format text|json`,
-and in the router `--uvicorn-log-level`), applied once by `python -m router` and by each node
+and in the router `--uvicorn-log-level`), applied once by `python -m pdserve.router` and by each
+node
 (node/cli.py) to the root logger.
 
 Text: `TIME LEVEL LOGGER: MESSAGE`. JSON: one object per line with `ts` (ISO 8601, UTC),
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from wire.config_flags import option
+from pdserve.wire.config_flags import option
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

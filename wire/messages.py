@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from wire.limits import MAX_CHOICES_PER_PROMPT
+from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
 
 MAX_MESSAGE_BYTES = 64 << 20
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from wire.limits import (
+from pdserve.wire.limits import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_JSON_SCHEMA_DEPTH,

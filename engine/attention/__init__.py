@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.attention.base import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 
 
 def _triton_backend() -> type[AttentionBackend]:
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend
 

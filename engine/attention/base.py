@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.batch import FlatBatch
-from engine.kv_cache import KVCache
+from pdserve.engine.batch import FlatBatch
+from pdserve.engine.kv_cache import KVCache
 
 
 def count_leading_decodes(batch: FlatBatch) -> int:

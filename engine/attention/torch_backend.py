@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, count_leading_decodes
-from engine.batch import FlatBatch
+from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
+from pdserve.engine.batch import FlatBatch
 
 
 @dataclass

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, count_leading_decodes
-from engine.batch import FlatBatch
-from engine.kv_cache import KVCache
-from kernels.decode_attention import SplitPlan, decode_attention, plan_splits
-from kernels.prefill_attention import prefill_attention
-from kernels.store_kv import store_kv
+from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
+from pdserve.engine.batch import FlatBatch
+from pdserve.engine.kv_cache import KVCache
+from pdserve.kernels.decode_attention import SplitPlan, decode_attention, plan_splits
+from pdserve.kernels.prefill_attention import prefill_attention
+from pdserve.kernels.store_kv import store_kv
 
 
 @dataclass

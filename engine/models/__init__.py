@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.model_config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.base import AttentionBackend
-from engine.layers.linear import FusedLinear, Linear
-from engine.layers.rms_norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.model_config import ModelConfig
+from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.layers.linear import FusedLinear, Linear
+from pdserve.engine.layers.rms_norm import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.model_config import ModelConfig
 
 # HF weight name suffix -> (fused parameter name, shard index)
 _FUSED_SHARDS = {

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.prefix_cache.base import PrefixCache, PrefixCacheStats
-from engine.prefix_cache.null_cache import NullPrefixCache
-from engine.prefix_cache.radix_cache import RadixPrefixCache
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.prefix_cache.base import PrefixCache, PrefixCacheStats
+from pdserve.engine.prefix_cache.null_cache import NullPrefixCache
+from pdserve.engine.prefix_cache.radix_cache import RadixPrefixCache
 
 __all__ = [
     "NullPrefixCache",

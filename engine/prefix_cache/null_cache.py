@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.prefix_cache.base import PrefixCache
+from pdserve.engine.prefix_cache.base import PrefixCache
 
 
 class NullPrefixCache(PrefixCache):

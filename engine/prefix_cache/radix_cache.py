@@ -18,8 +18,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool
-from engine.prefix_cache.base import PrefixCache
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.prefix_cache.base import PrefixCache
 
 
 class RadixNode:

@@ -43,11 +43,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.block_moves import BlockRun, block_runs, split_runs
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.messages import Data
-from kvtransfer.strategies import WriteStrategy
+from pdserve.engine.block_moves import BlockRun, block_runs, split_runs
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.messages import Data
+from pdserve.kvtransfer.strategies import WriteStrategy
 
 
 @dataclass(frozen=True)

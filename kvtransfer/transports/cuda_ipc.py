@@ -12,7 +12,7 @@ the decode node refuses that setting when it allocates and registers its buffer.
 
 Both processes must see the decode node's GPU; it is found by its UUID, not its index (each
 process numbers devices differently: `pdserve serve` lists a node's own GPU first, then its
-peers', in its CUDA_VISIBLE_DEVICES; pdserve/launcher.py). The decode node keeps the buffer
+peers', in its CUDA_VISIBLE_DEVICES; commands/launcher.py). The decode node keeps the buffer
 alive until exit.
 """
 
@@ -23,11 +23,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.block_moves import BlockStaging, run_block_ids
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.strategies import DirectWrite, WriteStrategy
-from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
+from pdserve.engine.block_moves import BlockStaging, run_block_ids
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
+from pdserve.kvtransfer.transports.base import (
+    Outgoing,
+    ReceiverTransport,
+    SenderTransport,
+    WriteStep,
+)
 
 
 def device_identity(device: torch.device) -> str:

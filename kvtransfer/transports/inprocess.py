@@ -16,11 +16,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.block_moves import copy_block_runs
-from engine.kv_cache import KVCache
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.strategies import DirectWrite, WriteStrategy
-from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
+from pdserve.engine.block_moves import copy_block_runs
+from pdserve.engine.kv_cache import KVCache
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
+from pdserve.kvtransfer.transports.base import (
+    Outgoing,
+    ReceiverTransport,
+    SenderTransport,
+    WriteStep,
+)
 
 
 class InProcessReceiverTransport(ReceiverTransport):

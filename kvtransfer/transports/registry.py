@@ -11,11 +11,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kvtransfer.transports.base import ReceiverTransport, SenderTransport
-from kvtransfer.transports.cuda_ipc import CudaIpcReceiverTransport, CudaIpcSenderTransport
-from kvtransfer.transports.inprocess import InProcessReceiverTransport, InProcessSenderTransport
-from kvtransfer.transports.shm import ShmReceiverTransport, ShmSenderTransport
-from kvtransfer.transports.zmq_tcp import ZmqReceiverTransport, ZmqSenderTransport
+from pdserve.kvtransfer.transports.base import ReceiverTransport, SenderTransport
+from pdserve.kvtransfer.transports.cuda_ipc import CudaIpcReceiverTransport, CudaIpcSenderTransport
+from pdserve.kvtransfer.transports.inprocess import (
+    InProcessReceiverTransport,
+    InProcessSenderTransport,
+)
+from pdserve.kvtransfer.transports.shm import ShmReceiverTransport, ShmSenderTransport
+from pdserve.kvtransfer.transports.zmq_tcp import ZmqReceiverTransport, ZmqSenderTransport
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.block_moves import copy_block_runs
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.strategies import DirectWrite, WriteStrategy
-from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
-from kvtransfer.transports.shm_segment import SharedSegment
+from pdserve.engine.block_moves import copy_block_runs
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
+from pdserve.kvtransfer.transports.base import (
+    Outgoing,
+    ReceiverTransport,
+    SenderTransport,
+    WriteStep,
+)
+from pdserve.kvtransfer.transports.shm_segment import SharedSegment
 
 
 class ShmReceiverTransport(ReceiverTransport):

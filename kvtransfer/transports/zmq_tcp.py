@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.block_moves import (
+from pdserve.engine.block_moves import (
     BlockRun,
     block_runs,
     copy_block_runs,
@@ -28,12 +28,17 @@ from engine.block_moves import (
     run_block_ids,
     scatter_blocks,
 )
-from engine.cpu_allocator import keep_freed_memory_for_reuse
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.messages import Data
-from kvtransfer.strategies import Streamed, WriteStrategy
-from kvtransfer.transports.base import Outgoing, ReceiverTransport, SenderTransport, WriteStep
+from pdserve.engine.cpu_allocator import keep_freed_memory_for_reuse
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.messages import Data
+from pdserve.kvtransfer.strategies import Streamed, WriteStrategy
+from pdserve.kvtransfer.transports.base import (
+    Outgoing,
+    ReceiverTransport,
+    SenderTransport,
+    WriteStep,
+)
 
 
 def packed_view(

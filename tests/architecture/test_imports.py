@@ -1,7 +1,9 @@
 """The import rules of docs/design.md ("Architecture"), checked on every module's source.
 
 Imports point one way: kernels <- engine <- kvtransfer <- node <- colocated_node /
-prefill_node / decode_node, and pdserve launches them. The wire layer (wire/) and the text layer
+prefill_node / decode_node, and commands/ launches them. Every folder is installed as
+`pdserve.<folder>` and imported by that name only: nothing imports a bare `engine` or `router`.
+The wire layer (wire/) and the text layer
 (text/) import no torch and no model code, and the router imports only them, so the router
 process never loads torch (test_router_process_never_loads_torch starts one to see). No
 serving code imports bench/ or tests/ (only `pdserve bench serve` dispatches to bench/, and
@@ -36,22 +38,32 @@ ALLOWED: dict[str, set[str] | None] = {
     "prefill_node": {"node", "engine", "kvtransfer", "wire"},
     "decode_node": {"node", "engine", "kvtransfer", "wire"},
     "router": {"wire", "text"},
-    "pdserve": set(PROJECT),
+    "commands": set(PROJECT),
     "bench": None,
 }
 # Packages whose processes must stay light: no torch, no model code.
 TORCH_FREE = ("wire", "text", "router")
 
 
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, top-level module name) of every absolute import in the file."""
+def imported_names(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted module name) of every absolute import in the file."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module.split(".")[0]))
+            found.append((node.lineno, node.module))
+    return found
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """(line, room) of every absolute import: the project folder for `pdserve.<folder>...`, the
+    top-level module for anything else."""
+    found = []
+    for line, name in imported_names(path):
+        parts = name.split(".")
+        found.append((line, parts[1] if parts[0] == "pdserve" and len(parts) > 1 else parts[0]))
     return found
 
 
@@ -76,16 +88,31 @@ def test_package_imports_only_what_its_layer_may(package):
     assert not broken, "\n".join(broken)
 
 
-def test_pdserve_imports_no_node_code_at_module_level():
+def test_the_project_is_imported_by_its_installed_names_only():
+    """The wheel installs the folders under `pdserve.`; a bare `import engine` works only from a
+    checkout and would break the installed package."""
     broken = []
-    for path in modules_of("pdserve"):
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        if ".venv" in path.parts or path.parts[len(ROOT.parts)].startswith("."):
+            continue
+        for line, name in imported_names(path):
+            if name.split(".")[0] in PROJECT:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_commands_import_no_node_code_at_module_level():
+    broken = []
+    for path in modules_of("commands"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in tree.body:
             names = []
             if isinstance(node, ast.Import):
-                names = [alias.name.split(".")[0] for alias in node.names]
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module.split(".")[0]]
+                names = [node.module]
+            names = [n.split(".")[1] if n.startswith("pdserve.") else n.split(".")[0]
+                     for n in names]
             heavy = [n for n in names if n in HEAVY or n in ("engine", "kernels", "kvtransfer")]
             broken += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in heavy]
     assert not broken, "\n".join(broken)
@@ -93,7 +120,7 @@ def test_pdserve_imports_no_node_code_at_module_level():
 
 def test_the_rules_catch_a_forbidden_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    import torch\n    from engine.llm import LLM\n")
+    module.write_text("def f():\n    import torch\n    from pdserve.engine.llm import LLM\n")
     assert imports_of(module) == [(2, "torch"), (3, "engine")]
 
 
@@ -104,14 +131,14 @@ def test_router_process_never_loads_torch(tiny_llama_dir):
     script = f"""
 import sys
 from pathlib import Path
-from router.app import create_app
-from router.config import RouterConfig
-import router.__main__
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+import pdserve.router.__main__
 app = create_app(RouterConfig(model_path=Path({str(tiny_llama_dir)!r}), node_addresses=[]))
 tokenizer = app.state.router.tokenizer
 assert tokenizer.encode("hello world")
-print(sorted(m for m in sys.modules if m.split(".")[0] in
-      ("torch", "transformers", "triton", "engine", "kernels", "kvtransfer", "node")))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "triton")
+      or m.split(".")[:2] in [["pdserve", n] for n in ("engine", "kernels", "kvtransfer", "node")]))
 """
     result = subprocess.run(
         [sys.executable, "-c", script],

@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-from bench.burst import (
+from pdserve.bench.burst import (
     Outcome,
     StreamRecord,
     absorb_event,
@@ -24,7 +24,7 @@ from bench.burst import (
     send_burst,
     summarize,
 )
-from bench.burst_report import markdown
+from pdserve.bench.burst_report import markdown
 
 MAX_TOKENS = 4
 
@@ -162,7 +162,7 @@ def _result(died: int) -> dict:
     slower = {**summary, "drain_s": 2.0, "died": died}
     slower["memory_kib"] = {"router": memory["router"], "decode-0": memory["colocated-0"]}
     return {
-        "command": "python -m bench.burst --bursts 2",
+        "command": "python -m pdserve.bench.burst --bursts 2",
         "machine": {"cores": "2 usable (2 online)"},
         "setup": {"prompts": "140 random token ids"},
         "deployments": {
@@ -175,7 +175,7 @@ def _result(died: int) -> dict:
 
 def test_report_has_a_row_per_deployment_and_burst_memory_columns_and_ratios():
     text = markdown(_result(died=0))
-    assert "Command: `python -m bench.burst --bursts 2`" in text
+    assert "Command: `python -m pdserve.bench.burst --bursts 2`" in text
     assert "| colocated | 2 | 2/2 | 0 (0 / 0 / 0) | 0 | 0 | 0 | 0.50 / 0.50 |" in text
     assert "| 2p1d | - | not run: did not start |" in text
     assert "| deployment | burst | router | colocated-0 | decode-0 |" in text
@@ -192,11 +192,11 @@ def test_report_marks_requests_that_died_after_a_token():
 
 
 def test_process_labels_name_the_router_and_each_node_without_the_port_suffix():
-    assert process_label(["python", "-m", "router", "--port", "8000"]) == "router"
-    node = ["python", "-m", "prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
+    assert process_label(["python", "-m", "pdserve.router", "--port", "8000"]) == "router"
+    node = ["python", "-m", "pdserve.prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
     assert process_label(node) == "prefill-0"
     config = '{"node": {"node_id": "decode-1.21300"}, "engine": {}}'  # as `pdserve serve` hands it
-    assert process_label(["python", "-m", "decode_node"], config) == "decode-1"
+    assert process_label(["python", "-m", "pdserve.decode_node"], config) == "decode-1"
 
 
 def test_bad_flags_are_refused_with_the_value(capsys):

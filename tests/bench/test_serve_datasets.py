@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
-from bench.serve_arrivals import arrival_times, trace_times
-from bench.serve_datasets import (
+from pdserve.bench.serve_arrivals import arrival_times, trace_times
+from pdserve.bench.serve_datasets import (
     ChatSpec,
     RandomSpec,
     SharedPrefixSpec,
@@ -24,8 +24,8 @@ from bench.serve_datasets import (
     trace_requests,
     warmup_requests,
 )
-from bench.serve_metrics import Slo, parse_slo
-from bench.serve_vocab import range_vocabulary
+from pdserve.bench.serve_metrics import Slo, parse_slo
+from pdserve.bench.serve_vocab import range_vocabulary
 
 VOCAB = list(range(100, 5000))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.serve_load import RequestTiming, percentile, summarize
+from pdserve.bench.serve_load import RequestTiming, percentile, summarize
 
 
 def test_percentile_picks_the_nearest_rank():

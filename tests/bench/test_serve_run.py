@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve import main
-from bench.serve_load import LoadOptions, LoadRequest, run_load, summarize
+from pdserve.bench.serve import main
+from pdserve.bench.serve_load import LoadOptions, LoadRequest, run_load, summarize
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama_dir):
-    from pdserve.serve_process import ServeProcess
+    from pdserve.commands.serve_process import ServeProcess
 
     flags = ["--model", str(tiny_llama_dir), "--colocated", "--threads-per-node", "1"]
     server = ServeProcess([*flags, "--kv-cache-memory", str(16 << 20)], ready_timeout_s=180)
@@ -85,7 +85,7 @@ def test_a_rejected_request_is_counted_as_failed_not_raised(tiny_server):
 
 def test_pdserve_bench_serve_help_lists_the_benchmark_flags():
     help_text = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--help"],
+        [sys.executable, "-m", "pdserve.commands.cli", "bench", "serve", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

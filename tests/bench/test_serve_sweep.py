@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve_load import RequestTiming, summarize
-from bench.sweep import CONFIGS, parse_args
-from bench.sweep_report import build_report, plot
+from pdserve.bench.serve_load import RequestTiming, summarize
+from pdserve.bench.sweep import CONFIGS, parse_args
+from pdserve.bench.sweep_report import build_report, plot
 
 
 def _summary(ttft: float, n_good: int) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.sim_batching import make_requests, run_continuous, run_request_level
+from pdserve.bench.sim_batching import make_requests, run_continuous, run_request_level
 
 
 def test_continuous_batching_beats_static_and_paged_kv_wastes_less():

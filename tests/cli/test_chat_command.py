@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from pdserve.cli import main
+from pdserve.commands.cli import main
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 
-import engine.config
-import node.cli
-import pdserve.router_plan
-import router.__main__
-import router.config
-from engine.config import EngineConfig
-from node.config import CONFIG_ENV, NodeConfig
-from pdserve.cli import build_parser
-from pdserve.launcher import plan_nodes
-from pdserve.launcher_settings import LauncherSettings
-from pdserve.model_source import ServedModel
-from router.config import RouterConfig
+import pdserve.engine.config as engine_config_module
+import pdserve.node.cli as node_cli
+import pdserve.router.__main__ as router_main
+import pdserve.router.config as router_config
+from pdserve.commands import router_plan
+from pdserve.commands.cli import build_parser
+from pdserve.commands.launcher import plan_nodes
+from pdserve.commands.launcher_settings import LauncherSettings
+from pdserve.commands.model_source import ServedModel
+from pdserve.engine.config import EngineConfig
+from pdserve.node.config import CONFIG_ENV, NodeConfig
+from pdserve.router.config import RouterConfig
+from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.config_flags import build, option, options
 from tests.cli.test_serve_flags import TEMPLATE, child_configs, planned_router, serve_args
-from wire.cluster_auth import ClusterAuth
-from wire.config_flags import build, option, options
 
 # field -> (the flags `pdserve serve` gets, the field value each node must build): a new
 # option fails test_every_option_has_a_case until it gets one here.
@@ -109,17 +109,17 @@ def test_every_serve_option_reaches_every_planned_node_field_by_field(layout):
 
 def test_flags_given_to_a_node_override_its_launcher_config():
     plan = plan_nodes(serve_args(["--colocated", "--max-num-seqs", "7"]), "/m", "tcp://127.0.0.1:1")[0]
-    parser = node.cli.node_parser("python -m colocated_node", "")
-    engine, config, _ = node.cli.configs(parser.parse_args(["--max-num-seqs", "9"]), plan.env)
+    parser = node_cli.node_parser("python -m pdserve.colocated_node", "")
+    engine, config, _ = node_cli.configs(parser.parse_args(["--max-num-seqs", "9"]), plan.env)
     assert (engine.max_num_seqs, engine.model, config.node_id) == (9, "/m", plan.name)
 
 
 def test_a_node_started_directly_needs_its_addresses():
-    parser = node.cli.node_parser("python -m colocated_node", "")
+    parser = node_cli.node_parser("python -m pdserve.colocated_node", "")
     with pytest.raises(ValueError, match="--node-id, --listen, --router are required"):
-        node.cli.configs(parser.parse_args([]), {})
+        node_cli.configs(parser.parse_args([]), {})
     with pytest.raises(ValueError, match="no option bogus"):
-        node.cli.configs(parser.parse_args([]), {CONFIG_ENV: '{"engine": {"bogus": 1}}'})
+        node_cli.configs(parser.parse_args([]), {CONFIG_ENV: '{"engine": {"bogus": 1}}'})
 
 
 def test_a_field_with_flag_metadata_appears_on_every_command_line(monkeypatch, capsys):
@@ -127,12 +127,12 @@ def test_a_field_with_flag_metadata_appears_on_every_command_line(monkeypatch, c
     class WithNewOption(EngineConfig):
         new_knob: int = option(3, flag="--new-knob", help="an option added in one place")
 
-    monkeypatch.setattr(engine.config, "EngineConfig", WithNewOption)
-    monkeypatch.setattr(node.cli, "EngineConfig", WithNewOption)
+    monkeypatch.setattr(engine_config_module, "EngineConfig", WithNewOption)
+    monkeypatch.setattr(node_cli, "EngineConfig", WithNewOption)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--new-knob NEW_KNOB" in capsys.readouterr().out
-    assert "--new-knob" in node.cli.node_parser("node", "").format_help()
+    assert "--new-knob" in node_cli.node_parser("node", "").format_help()
     args = serve_args(["--colocated", "--new-knob", "5"])
     plan = plan_nodes(args, "/m", "tcp://127.0.0.1:1")[0]
     engine_built = child_configs(plan)[0]
@@ -153,18 +153,18 @@ def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_
     )
     for f in dataclasses.fields(RouterConfig):
         assert getattr(config, f.name) == getattr(expected, f.name), f.name
-    assert plan.argv[1:] == ["-m", "router"]  # nothing on the command line
+    assert plan.argv[1:] == ["-m", "pdserve.router"]  # nothing on the command line
 
 
 def test_a_router_started_directly_needs_its_model_nodes_and_address(capsys):
     with pytest.raises(SystemExit):
-        router.__main__.parse_args([], environ={})
+        router_main.parse_args([], environ={})
     assert "--model, --node, --listen are required" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        router.__main__.parse_args([], environ={router.config.CONFIG_ENV: '{"router": {"x": 1}}'})
+        router_main.parse_args([], environ={router_config.CONFIG_ENV: '{"router": {"x": 1}}'})
     assert "RouterConfig has no option x" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        router.__main__.parse_args(
+        router_main.parse_args(
             ["--model", "m", "--node", "tcp://127.0.0.1:1", "--listen", "tcp://127.0.0.1:2",
              "--max-n", "999"], environ={},
         )
@@ -176,19 +176,19 @@ def test_a_router_field_with_flag_metadata_appears_on_both_command_lines(monkeyp
     class WithNewOption(RouterConfig):
         new_router_knob: int = option(3, flag="--new-router-knob", help="added in one place")
 
-    for module in (router.config, router.__main__, pdserve.router_plan):
+    for module in (router_config, router_main, router_plan):
         monkeypatch.setattr(module, "RouterConfig", WithNewOption)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--new-router-knob NEW_ROUTER_KNOB" in capsys.readouterr().out
-    assert "--new-router-knob" in router.__main__.build_parser().format_help()
+    assert "--new-router-knob" in router_main.build_parser().format_help()
     _, (config, _log) = planned_router(serve_args(["--new-router-knob", "5"]))
     assert isinstance(config, WithNewOption) and config.new_router_knob == 5
     assert planned_router(serve_args([]))[1][0].new_router_knob == 3
 
 
 def test_the_router_flag_table_names_every_generated_router_flag():
-    from wire.log_format import LogSettings
+    from pdserve.wire.log_format import LogSettings
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     table = text[text.index("### Router flags"):text.index("## Containers")]

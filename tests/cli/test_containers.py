@@ -24,14 +24,14 @@ def compose() -> dict:
 
 
 def help_text(command: list[str], capsys) -> str:
-    """The --help of `pdserve SUB` or `python -m router`, from its own parser."""
-    if command[:3] == ["python", "-m", "router"]:
-        from router.__main__ import main
+    """The --help of `pdserve SUB` or `python -m pdserve.router`, from its own parser."""
+    if command[:3] == ["python", "-m", "pdserve.router"]:
+        from pdserve.router.__main__ import main
 
         argv = ["--help"]
     else:
         assert command[0] == "pdserve", command
-        from pdserve.cli import main
+        from pdserve.commands.cli import main
 
         argv = [command[1], "--help"]
     capsys.readouterr()
@@ -123,7 +123,7 @@ def test_compose_router_is_published_and_probed_on_health():
 
 
 def test_compose_model_is_where_the_image_downloads_the_default_model():
-    from model_store.default_model import default_model_dir
+    from pdserve.model_store.default_model import default_model_dir
 
     env = re.search(r"PDSERVE_HOME=(\S+)", (REPO / "Dockerfile").read_text()).group(1)
     expected = str(default_model_dir(Path(env)))
@@ -133,7 +133,7 @@ def test_compose_model_is_where_the_image_downloads_the_default_model():
 
 
 def test_compose_secret_comes_from_an_env_file_whose_example_is_refused():
-    from wire.cluster_auth import SECRET_ENV, check_secret
+    from pdserve.wire.cluster_auth import SECRET_ENV, check_secret
 
     for name, service in compose()["services"].items():
         assert service["env_file"] == "pdserve.env", name

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from model_store import default_model as dm
+from pdserve.model_store import default_model as dm
 
 EXPECTED_FILES = (
     "config.json",

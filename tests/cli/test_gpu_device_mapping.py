@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.transports import cuda_ipc
-from pdserve.cli import build_parser
-from pdserve.launcher import launcher_gpus, place_on_gpus, plan_nodes
+from pdserve.commands.cli import build_parser
+from pdserve.commands.launcher import launcher_gpus, place_on_gpus, plan_nodes
+from pdserve.kvtransfer.transports import cuda_ipc
 from tests.cli.test_serve_flags import child_configs
 
 

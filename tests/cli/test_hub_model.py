@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
-from pdserve.launcher import free_port
-from pdserve.model_source import check_model_folder, resolve_served_model
+from pdserve.commands.launcher import free_port
+from pdserve.commands.model_source import check_model_folder, resolve_served_model
+from pdserve.model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -65,7 +65,7 @@ def test_an_uncached_hub_model_offline_is_one_error_that_says_how_to_fix_it(tmp_
 def test_pdserve_download_prints_the_cached_snapshot(tmp_path, tiny_llama_dir):
     snapshot = cached_hub_model(tmp_path / "hub", "org/tiny", tiny_llama_dir)
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "download", "org/tiny"],
+        [sys.executable, "-m", "pdserve.commands.cli", "download", "org/tiny"],
         capture_output=True, text=True, timeout=60, check=False, env=offline_env(tmp_path / "hub"),
     )
     assert result.returncode == 0, result.stderr
@@ -74,7 +74,8 @@ def test_pdserve_download_prints_the_cached_snapshot(tmp_path, tiny_llama_dir):
 
 def test_serve_without_network_or_cached_copy_exits_2_with_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve", "org/missing", "--port", str(free_port())],
+        [sys.executable, "-m", "pdserve.commands.cli", "serve", "org/missing",
+         "--port", str(free_port())],
         capture_output=True, text=True, timeout=60, check=False, env=offline_env(tmp_path / "hub"),
     )
     assert result.returncode == 2

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import free_port
+from pdserve.commands.launcher import free_port
 from tests.fault_checks import alive, children_of
 
 
@@ -25,7 +25,8 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
     aliases = ["--served-model-name", tiny_llama_dir.name, "alias"] if signum == signal.SIGINT else []
     # A non-default engine option, handed to the nodes as data, comes back in their NodeStats.
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port", str(port),
+        [sys.executable, "-m", "pdserve.commands.cli", "serve", str(tiny_llama_dir),
+         "--port", str(port),
          "--max-model-len", "96", *aliases],
         stdout=subprocess.PIPE, text=True,
     )
@@ -64,7 +65,7 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
 
 def test_a_folder_that_is_no_model_is_refused_before_any_process_starts(tmp_path):
     launcher = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve", "--model", str(tmp_path),
+        [sys.executable, "-m", "pdserve.commands.cli", "serve", "--model", str(tmp_path),
          "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, check=False,
     )
@@ -76,7 +77,7 @@ def test_a_node_setting_out_of_range_is_refused_before_any_process_starts(tiny_l
     """The launcher builds each node's EngineConfig once before starting it: the dataclass's
     own check, in the flag's terms, with `pdserve serve`'s usage."""
     launcher = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve", str(tiny_llama_dir), "--port",
+        [sys.executable, "-m", "pdserve.commands.cli", "serve", str(tiny_llama_dir), "--port",
          str(free_port()), "--colocated", "--max-num-seqs", "0"],
         capture_output=True, text=True, timeout=120, check=False,
     )
@@ -91,7 +92,7 @@ def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llam
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")  # only loading finds it
     port = free_port()
     launcher = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve", str(folder), "--port", str(port),
+        [sys.executable, "-m", "pdserve.commands.cli", "serve", str(folder), "--port", str(port),
          "--colocated"],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 PROBE = """
-import kernels, router, engine
+import pdserve.kernels, pdserve.router, pdserve.engine
 from transformers.utils import is_kernels_available
 assert not is_kernels_available(), "transformers mistook pdserve's kernels for its hub package"
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -29,6 +29,6 @@ def test_transformers_models_import_and_run_beside_our_packages():
 
 
 def test_public_api_is_importable():
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     assert callable(LLM) and callable(SamplingParams)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve.plan import KNOWN_MODELS, parse_bytes, plan_capacity, resolve_shape
+from pdserve.commands.plan import KNOWN_MODELS, parse_bytes, plan_capacity, resolve_shape
 
 
 def test_llama_3_8b_needs_128_kib_per_token_in_bf16():
@@ -54,7 +54,7 @@ def test_bad_names_and_sizes_are_refused():
 
 def test_the_command_prints_json_with_kv_bytes_per_token():
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "plan", "--model", "llama-3-8b", "--json"],
+        [sys.executable, "-m", "pdserve.commands.cli", "plan", "--model", "llama-3-8b", "--json"],
         capture_output=True, text=True, check=True,
     )
     data = json.loads(out.stdout)

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import add_kv_flags, configs, node_parser
-from pdserve.cli import build_parser, main
-from pdserve.launcher import plan_nodes
-from pdserve.model_source import ServedModel, resolve_served_model
-from pdserve.router_plan import plan_router
-from pdserve.serve_flags import check_serve_flags
-from router.__main__ import parse_args as parse_router_args
-from router.config import API_KEY_ENV
-from router.config import CONFIG_ENV as ROUTER_CONFIG_ENV
-from wire.cluster_auth import SECRET_ENV
-from wire.log_format import LogSettings
+from pdserve.commands.cli import build_parser, main
+from pdserve.commands.launcher import plan_nodes
+from pdserve.commands.model_source import ServedModel, resolve_served_model
+from pdserve.commands.router_plan import plan_router
+from pdserve.commands.serve_flags import check_serve_flags
+from pdserve.node.cli import add_kv_flags, configs, node_parser
+from pdserve.router.__main__ import parse_args as parse_router_args
+from pdserve.router.config import API_KEY_ENV
+from pdserve.router.config import CONFIG_ENV as ROUTER_CONFIG_ENV
+from pdserve.wire.cluster_auth import SECRET_ENV
+from pdserve.wire.log_format import LogSettings
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
@@ -48,7 +48,7 @@ def planned_router(args, served: ServedModel | None = None, heartbeat_interval: 
         args, served, "tcp://127.0.0.1:26992", ["node-0=tcp://127.0.0.1:26991"], "s" * 32,
         heartbeat_interval,
     )
-    assert plan.argv[1:] == ["-m", "router"]
+    assert plan.argv[1:] == ["-m", "pdserve.router"]
     return plan, parse_router_args(plan.argv[3:], environ=plan.env)
 
 
@@ -148,14 +148,14 @@ def test_router_logging_flags_reach_the_router():
 
 def test_the_router_gets_its_settings_as_data_and_its_secrets_in_its_environment_alone():
     plan, (config, _) = planned_router(serve_args(["--api-key", "key-1234", "--max-n", "4"]))
-    assert plan.argv[1:] == ["-m", "router"]
+    assert plan.argv[1:] == ["-m", "pdserve.router"]
     assert (config.api_key, config.max_n) == ("key-1234", 4)
     assert config.cluster_auth.enabled
     assert plan.env[API_KEY_ENV] == "key-1234" and plan.env[SECRET_ENV] == "s" * 32
     handed = json.loads(plan.env[ROUTER_CONFIG_ENV])
     assert "key-1234" not in plan.env[ROUTER_CONFIG_ENV] and "s" * 32 not in json.dumps(handed)
     assert set(handed["router"]) >= {"model_path", "listen_address", "node_addresses", "max_n"}
-    # Without --api-key the router reads $PDSERVE_API_KEY, as `python -m router` does.
+    # Without --api-key the router reads $PDSERVE_API_KEY, as `python -m pdserve.router` does.
     plan, _ = planned_router(serve_args([]))
     assert API_KEY_ENV not in plan.env
 
@@ -175,7 +175,7 @@ def test_log_format_reaches_every_node():
 
 
 def test_a_chat_template_given_replaces_the_model_folders(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama_dir, chat_template=TEMPLATE)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Imported only by the bench scripts that draw plots, and declared in the `bench` extra.
 PLOTTING_ONLY = {"matplotlib"}
 # `make gpu-check` runs from the checkout, whose tests/ it imports its tiny model from.
-CHECKOUT_ONLY = {("tests", "bench/gpu_checks.py")}
+CHECKOUT_ONLY = {("tests", "pdserve/bench/gpu_checks.py")}
 NOT_SOURCES = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
     ".ruff_cache", ".gpu-wheels", ".device", ".gl", ".whl",
@@ -126,11 +126,19 @@ def run_installed(venv: Path, args: list[str], cwd: Path, timeout: float = 300):
     )
 
 
-def test_wheel_holds_our_packages_and_no_tests(installed):
+def test_wheel_installs_one_top_level_name_holding_every_package(installed):
+    """Only `pdserve` (no generic `engine` or `kernels` beside other projects' modules), and
+    under it every package folder of the checkout, tests excepted."""
     purelib = Path(sysconfig.get_path("purelib", vars={"base": str(installed)}))
-    assert not (purelib / "tests").exists()
-    for package in ("engine", "node", "router", "wire", "text", "model_store", "pdserve"):
-        assert (purelib / package / "__init__.py").is_file(), package
+    record = next(purelib.glob("pdserve-*.dist-info")) / "RECORD"
+    tops = {line.split("/")[0] for line in record.read_text().splitlines()}
+    assert {t for t in tops if not t.startswith(("pdserve-", ".."))} == {"pdserve"}, tops
+    assert not (purelib / "pdserve" / "tests").exists()
+    folders = {p.parent.relative_to(REPO) for p in REPO.glob("*/**/__init__.py")}
+    folders = {f for f in folders if f.parts[0] != "tests" and not f.parts[0].startswith(".")}
+    installed_packages = {p.parent.relative_to(purelib / "pdserve")
+                          for p in (purelib / "pdserve").rglob("__init__.py")}
+    assert installed_packages == folders, installed_packages ^ folders
 
 
 def third_party_imports(purelib: Path, ours: set[str]) -> dict[str, set[str]]:
@@ -164,7 +172,7 @@ def test_every_third_party_import_is_a_declared_dependency(installed):
         for r in metadata.Distribution.at(info).requires or []
         if "extra ==" not in r
     }
-    ours = {p.parent.name for p in purelib.glob("*/__init__.py")}
+    ours = {"pdserve"}
     providers = metadata.packages_distributions()
     undeclared = []
     for module, files in sorted(third_party_imports(purelib, ours).items()):
@@ -176,18 +184,22 @@ def test_every_third_party_import_is_a_declared_dependency(installed):
 
 def test_installed_commands_run_outside_the_checkout(installed, tiny_llama_dir, tmp_path):
     where = run_installed(
-        installed, ["python", "-c", "import engine, router, bench; print(engine.__file__)"],
+        installed,
+        ["python", "-c",
+         "import pdserve.engine as e, pdserve.router, pdserve.bench\nprint(e.__file__)"],
         tmp_path,
     )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(installed), where.stdout
+    generic = run_installed(installed, ["python", "-c", "import engine"], tmp_path)
+    assert "No module named 'engine'" in generic.stderr, generic.stderr
     commands = [
         ["pdserve", "--help"],
         ["pdserve", "serve", "--help"],
         ["pdserve", "plan", "--model", "llama-3-8b"],
         ["pdserve", "bench", "serve", "--help"],
         ["pdserve", "prefill", "--help"],
-        ["python", "-m", "router", "--help"],
+        ["python", "-m", "pdserve.router", "--help"],
         ["pdserve", "generate", "--model", str(tiny_llama_dir), "--max-tokens", "2", "Hello"],
     ]
     for command in commands:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.launcher import free_port
-from pdserve.serve_process import ServeProcess
+from pdserve.commands.launcher import free_port
+from pdserve.commands.serve_process import ServeProcess
 from tests.fault_checks import assert_no_leaked_blocks, live_nodes, wait_until
 
 SERVE_FLAGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20)]
@@ -203,7 +203,7 @@ def test_a_prefill_node_started_alone_joins_the_router_and_serves(tiny_llama_dir
         [
             sys.executable,
             "-m",
-            "pdserve.cli",
+            "pdserve.commands.cli",
             "prefill",
             "--model",
             str(tiny_llama_dir),

@@ -24,15 +24,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from engine import SamplingParams
-from engine.llm_engine import StepFailure
-from engine.sampler import Sampler
-from engine.sequence import Sequence
-from router.app import create_app
-from router.config import RouterConfig
+from pdserve.engine import SamplingParams
+from pdserve.engine.llm_engine import StepFailure
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sequence import Sequence
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.wire.messages import Generate, NodeStats
 from tests.nodes.test_colocated_node import Router, free_port
 from tests.tiny_models import VOCAB_SIZE
-from wire.messages import Generate, NodeStats
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -51,7 +51,8 @@ def served(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("hostile-node") / "stderr.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "colocated_node", "--model", str(tiny_llama_dir), "--listen", listen]
+        [sys.executable, "-m", "pdserve.colocated_node", "--model", str(tiny_llama_dir),
+         "--listen", listen]
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128".split()
         + ["--num-threads", "1", "--heartbeat-interval", "0.2"],
         cwd=ROOT,
@@ -514,9 +515,9 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
     """Eight requests in flight on a colocated node: the one that breaks the sampler gets a
     500, one whose top_k overflows int64 gets a 400 at admission, and the seven others finish
     with the tokens they would have had on their own."""
-    from colocated_node.node import ColocatedNode
-    from engine.config import EngineConfig
-    from node.config import NodeConfig
+    from pdserve.colocated_node.node import ColocatedNode
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node.config import NodeConfig
 
     innocents = innocent_requests()
     outputs = clean_tiny_llm.generate(
@@ -577,9 +578,9 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
 ):
     """The prefill side of the same rule: the others' first tokens are right and each of their
     blocks goes to the decode node exactly once, though their step ran twice."""
-    from engine import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from prefill_node.prefill_engine import PrefillEngine
+    from pdserve.engine import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.prefill_node.prefill_engine import PrefillEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
     engine.runner.sampler = PoisonedSampler(engine.runner.sampler, "poisoned")

@@ -11,8 +11,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.text.tokenizer import load_tokenizer
 from tests.fault_checks import assert_no_leaked_blocks, wait_until, wait_until_async
-from text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.default_model
 

@@ -20,12 +20,12 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.serve_process import ServeProcess
-from router.app import create_app
-from router.config import RouterConfig
+from pdserve.commands.serve_process import ServeProcess
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.messages import Heartbeat, NodeStats, encode
 from tests.fault_checks import wait_until
-from wire.cluster_auth import ClusterAuth
-from wire.messages import Heartbeat, NodeStats, encode
 
 KEY = "test-key-4c1d"
 CLUSTER_SECRET = "security-test-cluster-secret"
@@ -213,9 +213,9 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
     outcomes = send_everywhere(zmq_ports, member, ClusterAuth.from_secret(CLUSTER_SECRET))
     assert zmq.EVENT_HANDSHAKE_SUCCEEDED in outcomes
     expected_drops = (
-        ("router.node_client", len(payloads)),  # the router's PULL
-        ("node.runtime", 2 * len(payloads)),  # both nodes' PULL sockets
-        ("kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
+        ("pdserve.router.node_client", len(payloads)),  # the router's PULL
+        ("pdserve.node.runtime", 2 * len(payloads)),  # both nodes' PULL sockets
+        ("pdserve.kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
     )
 
     def drops(log: str) -> dict[str, int]:

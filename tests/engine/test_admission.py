@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
-from engine.admission import AdmissionPolicy, OutputLengthPredictor
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from pdserve.engine import LLM
+from pdserve.engine.admission import AdmissionPolicy, OutputLengthPredictor
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
 
 
 def test_the_predictor_reserves_the_quantile_of_observed_fractions_of_max_tokens():

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 
 def make_seq(name: str, num_tokens: int) -> Sequence:

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from engine.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
-from engine.kv_cache import KVCacheSpec
+from pdserve.engine.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
+from pdserve.engine.kv_cache import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.default_model
 

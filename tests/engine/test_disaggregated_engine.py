@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from prefill_node.prefill_engine import PrefillEngine
+from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.prefill_node.prefill_engine import PrefillEngine
 
 
 def disaggregated_generate(prefill: LLMEngine, decode: LLMEngine, prompts, params_list):

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
+from pdserve.engine import EngineConfig, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
 
 SEEDED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=1234)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

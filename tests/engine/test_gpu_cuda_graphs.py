@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM
+from pdserve.engine import LLM
 from tests.engine.test_greedy_parity import generate_and_check_clean, make_prompts, reference_greedy
 from tests.kernels.kernel_cases import DEVICE
 from tests.tiny_models import save_tiny_model

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine
-from engine.config import EngineConfig
-from node.cli import engine_config, node_parser, use_device
-from pdserve.cli import build_parser, cmd_serve
+from pdserve import engine
+from pdserve.commands.cli import build_parser, cmd_serve
+from pdserve.engine.config import EngineConfig
+from pdserve.node.cli import engine_config, node_parser, use_device
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_generate_flags_reach_the_llm(monkeypatch, cuda_available):
         return made
 
     monkeypatch.setattr(engine, "LLM", fake_llm)
-    from pdserve.cli import _make_llm
+    from pdserve.commands.cli import _make_llm
 
     _make_llm(build_parser().parse_args(["generate", "hi", "--enforce-eager",
                                          "--gpu-memory-utilization", "0.5"]))

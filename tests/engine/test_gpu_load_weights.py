@@ -12,12 +12,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import build_model, load_model
-from engine.model_config import ModelConfig
-from node.cli import engine_config, node_parser
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import build_model, load_model
+from pdserve.engine.model_config import ModelConfig
+from pdserve.node.cli import engine_config, node_parser
 from tests.tiny_models import tiny_configs
 
 LLAMA_3_8B = {

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.memory_budget import DeviceMemory, kv_cache_budget
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.memory_budget import DeviceMemory, kv_cache_budget
 
 GIB = 1 << 30
 TOTAL = 80 * GIB

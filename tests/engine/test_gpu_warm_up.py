@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampler import SampleResult
-from engine.warm_up import WARM_UP_MAX_TOKENS, WARM_UP_SHORT_PROMPT_TOKENS
+from pdserve.engine import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampler import SampleResult
+from pdserve.engine.warm_up import WARM_UP_MAX_TOKENS, WARM_UP_SHORT_PROMPT_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

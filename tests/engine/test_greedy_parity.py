@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.tiny_models import save_tiny_model, tiny_configs
 
 PROMPT_LENGTHS = (3, 17, 40, 300, 16, 1, 100, 77)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from engine import SamplingParams
-from engine.logits_processors import apply_logit_bias, apply_penalties
-from engine.sampler import Sampler, sampling_probs
-from engine.sequence import Sequence
+from pdserve.engine import SamplingParams
+from pdserve.engine.logits_processors import apply_logit_bias, apply_penalties
+from pdserve.engine.sampler import Sampler, sampling_probs
+from pdserve.engine.sequence import Sequence
 
 VOCAB = 512
 CPU = torch.device("cpu")

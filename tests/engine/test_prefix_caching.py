@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.prompt_logprobs import PromptLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 TOLERANCE = 1e-4
 NUM_TOP = 5

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.prefix_cache import RadixPrefixCache
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.prefix_cache import RadixPrefixCache
 
 BS = 4
 

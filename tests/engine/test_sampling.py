@@ -7,7 +7,7 @@ import math
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 
 PROMPT = [5, 77, 300, 12, 9, 41, 250, 3, 3, 18]
 OTHERS = [[7] * 40, [100, 200, 300], list(range(3, 120))]

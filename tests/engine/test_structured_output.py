@@ -12,13 +12,13 @@ import threading
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine, StepFailure
-from node.generation import Generation
-from prefill_node.prefill_engine import PrefillEngine
-from wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH, MAX_REGEX_CHARS
-from wire.messages import Generate, RequestFailed, decode, encode
-from wire.structured_output import GrammarError
+from pdserve.engine import LLM, EngineConfig, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine, StepFailure
+from pdserve.node.generation import Generation
+from pdserve.prefill_node.prefill_engine import PrefillEngine
+from pdserve.wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH, MAX_REGEX_CHARS
+from pdserve.wire.messages import Generate, RequestFailed, decode, encode
+from pdserve.wire.structured_output import GrammarError
 
 SCHEMA = {
     "type": "object",

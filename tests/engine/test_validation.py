@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, SamplingParams
+from pdserve.engine import EngineConfig, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_too_long_prompt_names_the_maximum_context_length(clean_tiny_llm):
 
 
 def test_request_larger_than_the_whole_cache_is_rejected_at_submit(tiny_llama_dir):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=4)
     with pytest.raises(ValueError, match="KV cache holds only 4"):
@@ -81,7 +81,7 @@ def test_empty_prompt_is_rejected(clean_tiny_llm):
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     from transformers import GPT2Config
 
-    from engine import LLM
+    from pdserve.engine import LLM
 
     GPT2Config(n_layer=1, n_embd=16, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(
         tmp_path
@@ -97,7 +97,7 @@ def test_checkpoint_missing_a_weight_fails_naming_it(tiny_llama_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from engine import LLM
+    from pdserve.engine import LLM
 
     for item in tiny_llama_dir.iterdir():
         if item.suffix != ".safetensors":

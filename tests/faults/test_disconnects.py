@@ -22,7 +22,7 @@ from collections.abc import Awaitable
 
 import pytest
 
-from kvtransfer.faults import ENV_VAR
+from pdserve.kvtransfer.faults import ENV_VAR
 from tests.fault_checks import wait_until_async
 from tests.fault_cluster import (
     Cluster,

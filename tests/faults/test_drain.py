@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from pdserve.serve_process import ServeProcess
+from pdserve.commands.serve_process import ServeProcess
 from tests.fault_checks import (
     StreamResult,
     alive,

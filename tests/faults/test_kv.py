@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from engine import SamplingParams
-from kvtransfer.faults import ENV_VAR, KVFaults
+from pdserve.engine import SamplingParams
+from pdserve.kvtransfer.faults import ENV_VAR, KVFaults
 from tests.fault_cluster import Cluster, completion, http
 
 TRANSFER_TIMEOUT_S = 2.0

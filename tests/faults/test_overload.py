@@ -19,10 +19,10 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.__main__ import parse_args
-from router.admission import AdmissionQueue
-from router.config import RouterConfig
-from router.errors import APIError
+from pdserve.router.__main__ import parse_args
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
 from tests.fault_cluster import Cluster, completion, greedy_texts, http
 
 MAX_QUEUED = 32

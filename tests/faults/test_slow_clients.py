@@ -24,10 +24,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from router.generation import UpdateQueue
-from router.sse import EventStreamResponse
+from pdserve.router.generation import UpdateQueue
+from pdserve.router.sse import EventStreamResponse
+from pdserve.wire.messages import TokenUpdate
 from tests.fault_cluster import Cluster, completion, http
-from wire.messages import TokenUpdate
 
 STALL_TIMEOUT_S = 12.0
 ROUNDS = 7  # of the P99 ITL measurement, alone and with the misbehaving clients

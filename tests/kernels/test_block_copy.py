@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks
-from kernels.reference import copy_blocks_reference
+from pdserve.kernels.block_copy import copy_blocks
+from pdserve.kernels.reference import copy_blocks_reference
 from tests.kernels.kernel_cases import BLOCK_SIZES, DEVICE, DTYPES, HEAD_DIMS
 
 SHAPES = [

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import SplitPlan, decode_attention, plan_splits
-from kernels.reference import decode_attention_reference
+from pdserve.kernels.decode_attention import SplitPlan, decode_attention, plan_splits
+from pdserve.kernels.reference import decode_attention_reference
 from tests.kernels.kernel_cases import (
     DEVICE,
     PAIRWISE_CASES,

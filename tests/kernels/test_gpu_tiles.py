@@ -9,11 +9,11 @@ import pytest
 import torch
 from triton.runtime.errors import OutOfResources
 
-from kernels.decode_attention import SplitPlan, decode_attention
-from kernels.launch import MIN_DOT_DIM, dot_dim
-from kernels.prefill_attention import prefill_attention
-from kernels.reference import decode_attention_reference, prefill_attention_reference
-from kernels.tiles import (
+from pdserve.kernels.decode_attention import SplitPlan, decode_attention
+from pdserve.kernels.launch import MIN_DOT_DIM, dot_dim
+from pdserve.kernels.prefill_attention import prefill_attention
+from pdserve.kernels.reference import decode_attention_reference, prefill_attention_reference
+from pdserve.kernels.tiles import (
     DECODE_CANDIDATES,
     OPT_IN_SHARED_MEMORY,
     PREFILL_CANDIDATES,

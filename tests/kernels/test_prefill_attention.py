@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention
-from kernels.reference import prefill_attention_reference
+from pdserve.kernels.prefill_attention import prefill_attention
+from pdserve.kernels.reference import prefill_attention_reference
 from tests.kernels.kernel_cases import (
     DEVICE,
     PAIRWISE_CASES,

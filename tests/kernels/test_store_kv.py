@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import store_kv_reference
-from kernels.store_kv import store_kv
+from pdserve.kernels.reference import store_kv_reference
+from pdserve.kernels.store_kv import store_kv
 from tests.kernels.kernel_cases import DEVICE, PAIRWISE_CASES, KernelCase, paged_cache, random_rows
 
 

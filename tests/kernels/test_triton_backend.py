@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import attention_backend_class
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.batch import build_flat_batch
-from engine.config import EngineConfig
-from engine.cuda_graphs import decode_buckets
-from engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.attention import attention_backend_class
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.batch import build_flat_batch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import decode_buckets
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from tests.kernels.kernel_cases import DEVICE, TOLERANCES
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
@@ -80,7 +80,7 @@ def test_cuda_graph_buckets_cover_every_batch_size_up_to_the_largest():
 
 
 def test_cuda_graphs_are_off_on_the_cpu(tiny_llama_dir):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     llm = LLM(str(tiny_llama_dir), attention_backend="triton", cuda_graphs=True, device="cpu")
     assert llm.engine.runner.decode_graphs is None

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from engine import LLM
+from pdserve.engine import LLM
 from tests.engine.test_greedy_parity import generate_and_check_clean, make_prompts, reference_greedy
 from tests.kernels.kernel_cases import DEVICE
 from tests.tiny_models import COMMON, byte_tokenizer, save_tiny_model

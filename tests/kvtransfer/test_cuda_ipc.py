@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from kvtransfer.peer import PeerProcess
+from pdserve.kvtransfer.peer import PeerProcess
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,9 +14,9 @@ import msgpack
 import pytest
 import zmq
 
-from kvtransfer.descriptor import KVDescriptor
-from kvtransfer.messages import Begin, Data, Written, decode_header, encode_header
-from kvtransfer.peer import PeerProcess
+from pdserve.kvtransfer.descriptor import KVDescriptor
+from pdserve.kvtransfer.messages import Begin, Data, Written, decode_header, encode_header
+from pdserve.kvtransfer.peer import PeerProcess
 from tests.fault_checks import wait_until
 
 SHM_DIR = Path("/dev/shm")

@@ -10,8 +10,11 @@ import uuid
 import pytest
 import torch
 
-from kvtransfer.peer import PeerProcess
-from kvtransfer.transports.cuda_ipc import check_shareable_allocator, expandable_segments_setting
+from pdserve.kvtransfer.peer import PeerProcess
+from pdserve.kvtransfer.transports.cuda_ipc import (
+    check_shareable_allocator,
+    expandable_segments_setting,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SPEC = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}

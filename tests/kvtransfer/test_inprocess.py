@@ -14,8 +14,8 @@ import pytest
 import torch
 import zmq
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import (
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer import (
     TRANSPORT_NAMES,
     ChannelReceiver,
     ChannelSender,
@@ -25,12 +25,12 @@ from kvtransfer import (
     SenderConfig,
     TransferKind,
 )
-from kvtransfer.ledger import TransferLedger
-from kvtransfer.messages import Begin, KVProtocolError, decode_header, encode_header
-from kvtransfer.strategies import DirectWrite, Streamed
-from kvtransfer.transports.base import plan_steps
-from kvtransfer.transports.registry import receiver_transport
-from kvtransfer.transports.shm_segment import SHM_DIR, SharedSegment, segment_name
+from pdserve.kvtransfer.ledger import TransferLedger
+from pdserve.kvtransfer.messages import Begin, KVProtocolError, decode_header, encode_header
+from pdserve.kvtransfer.strategies import DirectWrite, Streamed
+from pdserve.kvtransfer.transports.base import plan_steps
+from pdserve.kvtransfer.transports.registry import receiver_transport
+from pdserve.kvtransfer.transports.shm_segment import SHM_DIR, SharedSegment, segment_name
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 CPU = torch.device("cpu")

@@ -11,16 +11,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import (
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,
     ReceiverConfig,
     SenderConfig,
     TransferKind,
 )
-from kvtransfer.strategies import DirectWrite
-from kvtransfer.transports.registry import receiver_transport, sender_transport
+from pdserve.kvtransfer.strategies import DirectWrite
+from pdserve.kvtransfer.transports.registry import receiver_transport, sender_transport
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.bfloat16)
 CPU = torch.device("cpu")

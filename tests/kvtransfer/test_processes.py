@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.peer import PeerProcess
+from pdserve.kvtransfer.peer import PeerProcess
 
 SHM_DIR = Path("/dev/shm")
 NUM_BLOCKS = 32

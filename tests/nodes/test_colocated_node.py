@@ -1,4 +1,4 @@
-"""The colocated node as a real process on real sockets: `python -m colocated_node`.
+"""The colocated node as a real process on real sockets: `python -m pdserve.colocated_node`.
 
 The test side plays the router: it binds a PULL at the router address and connects a PUSH to
 the node's listen address. One node serves the whole module; its finalizer sends SIGTERM and
@@ -20,8 +20,16 @@ import msgpack
 import pytest
 import zmq
 
-from engine import LLM, SamplingParams
-from wire.messages import Abort, Generate, NodeStats, RequestFailed, TokenBatch, decode, encode
+from pdserve.engine import LLM, SamplingParams
+from pdserve.wire.messages import (
+    Abort,
+    Generate,
+    NodeStats,
+    RequestFailed,
+    TokenBatch,
+    decode,
+    encode,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
@@ -96,7 +104,8 @@ def node(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("node") / "stderr.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "colocated_node", "--model", str(tiny_llama_dir), "--listen", listen]
+        [sys.executable, "-m", "pdserve.colocated_node", "--model", str(tiny_llama_dir),
+         "--listen", listen]
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128".split()
         + ["--heartbeat-interval", "0.2"],
         cwd=ROOT,
@@ -215,9 +224,9 @@ def test_logprobs_have_top_alternatives(node):
 
 
 def test_engine_error_fails_in_flight_requests_and_node_survives(tiny_llama_dir):
-    from colocated_node.node import ColocatedNode
-    from engine.config import EngineConfig
-    from node.config import NodeConfig
+    from pdserve.colocated_node.node import ColocatedNode
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node.config import NodeConfig
 
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     node = ColocatedNode(

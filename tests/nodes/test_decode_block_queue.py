@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from decode_node.node import DecodeNode, Stage
-from engine.config import EngineConfig
+from pdserve.decode_node.node import DecodeNode, Stage
+from pdserve.engine.config import EngineConfig
+from pdserve.wire.messages import Abort, Generate, PrefillRequest
 from tests.nodes.unlooped import capture_sends, unlooped_config
-from wire.messages import Abort, Generate, PrefillRequest
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8

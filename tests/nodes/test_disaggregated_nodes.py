@@ -13,13 +13,12 @@ import uuid
 
 import pytest
 
-from decode_node.node import DecodeNode
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from node.config import NodeConfig
-from prefill_node.node import PrefillNode
-from tests.nodes.unlooped import capture_sends, unlooped_config
-from wire.messages import (
+from pdserve.decode_node.node import DecodeNode
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.node.config import NodeConfig
+from pdserve.prefill_node.node import PrefillNode
+from pdserve.wire.messages import (
     Abort,
     Choice,
     Generate,
@@ -28,6 +27,7 @@ from wire.messages import (
     RequestFailed,
     TokenBatch,
 )
+from tests.nodes.unlooped import capture_sends, unlooped_config
 
 PREFILL_ADDRESS = "tcp://127.0.0.1:3"
 DEADLINE_S = 60.0

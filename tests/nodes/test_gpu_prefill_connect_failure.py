@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from decode_node.node import DecodeNode
-from engine.config import EngineConfig
-from kvtransfer import KVDescriptor
-from kvtransfer.transports.shm_segment import segment_name
-from prefill_node.node import PrefillNode
+from pdserve.decode_node.node import DecodeNode
+from pdserve.engine.config import EngineConfig
+from pdserve.kvtransfer import KVDescriptor
+from pdserve.kvtransfer.transports.shm_segment import segment_name
+from pdserve.prefill_node.node import PrefillNode
+from pdserve.wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
 from tests.nodes.unlooped import capture_sends, unlooped_config
-from wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
 
 NUM_BLOCKS = 16
 DEADLINE_S = 30.0

@@ -13,13 +13,13 @@ import time
 
 import zmq
 
-from colocated_node.node import ColocatedNode
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from node.config import NodeConfig
-from pdserve.launcher import free_port
-from router.node_registry import NodeRegistry
-from wire.messages import Generate, Heartbeat, NodeStats, decode, encode
+from pdserve.colocated_node.node import ColocatedNode
+from pdserve.commands.launcher import free_port
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.node.config import NodeConfig
+from pdserve.router.node_registry import NodeRegistry
+from pdserve.wire.messages import Generate, Heartbeat, NodeStats, decode, encode
 
 HEARTBEAT_S = 0.25
 

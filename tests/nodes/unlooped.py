@@ -3,7 +3,7 @@ outgoing messages kept in `node.sent` for the test to hand on."""
 
 from __future__ import annotations
 
-from node.config import NodeConfig
+from pdserve.node.config import NodeConfig
 
 
 def unlooped_config(node_id: str, **kv_settings) -> NodeConfig:

@@ -10,19 +10,19 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from router.admission import AdmissionQueue
-from router.app import create_app
-from router.config import RouterConfig
-from router.errors import APIError
-from router.generation import Generation
-from router.metrics import RouterMetrics
-from router.validation import Plan
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
+from pdserve.router.generation import Generation
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.validation import Plan
+from pdserve.wire.messages import TokenBatch, TokenUpdate, encode
 from tests.router import test_streaming
 from tests.router.test_queue_delay import client_with
 from tests.router.test_streaming import ScriptedNode, run_with_node, sse_payloads
 from tests.router.test_validation import MODEL, assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
-from wire.messages import TokenBatch, TokenUpdate, encode
 
 WORDS = ["apple", "river", "stone"]
 
@@ -48,7 +48,7 @@ class EchoNode(ScriptedNode):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from router.choice_groups import choice_groups
-from router.validation import Plan
+from pdserve.router.choice_groups import choice_groups
+from pdserve.router.validation import Plan
+from pdserve.wire.messages import RequestFailed, TokenUpdate
 from tests.router.test_failover import aborts, cluster, drain, generates, node
-from wire.messages import RequestFailed, TokenUpdate
 
 
 def plan(prompts: list[list[int]], n: int, seed: int = 100, **extra) -> Plan:

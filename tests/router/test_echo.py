@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from router.logprobs import LogprobFormatter, check_prompt_entries
+from pdserve.router.logprobs import LogprobFormatter, check_prompt_entries
+from pdserve.wire.messages import TokenBatch, TokenUpdate, encode
 from tests.router import test_streaming
 from tests.router.test_streaming import REPLY, ScriptedNode, run_with_node, sse_payloads
 from tests.router.test_validation import MODEL, assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
-from wire.messages import TokenBatch, TokenUpdate, encode
 
 
 def score(prompt: list[int], num_top: int) -> list[list]:
@@ -60,7 +60,7 @@ def scoring(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 
@@ -203,7 +203,7 @@ def test_prompt_scores_that_do_not_fit_the_prompt_fail_the_request(
 def client(tiny_llama_dir):
     from starlette.testclient import TestClient
 
-    from router.app import create_app
+    from pdserve.router.app import create_app
 
     config = unlooped_router_config(
         tiny_llama_dir,

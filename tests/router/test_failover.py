@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-from router.node_client import NodeClient
-from router.node_registry import NodeState
-from wire.messages import (
+from pdserve.router.node_client import NodeClient
+from pdserve.router.node_registry import NodeState
+from pdserve.wire.messages import (
     Abort,
     Generate,
     Heartbeat,

@@ -30,13 +30,13 @@ import pytest
 import uvicorn
 from starlette.requests import Request
 
-from router.__main__ import uvicorn_config
-from router.app import create_app
-from router.config import RouterConfig
-from router.errors import APIError
-from router.prompt_chars import max_chars_per_token
-from router.responses import Responder
-from wire.messages import NodeStats, TokenUpdate
+from pdserve.router.__main__ import uvicorn_config
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import APIError
+from pdserve.router.prompt_chars import max_chars_per_token
+from pdserve.router.responses import Responder
+from pdserve.wire.messages import NodeStats, TokenUpdate
 
 MODEL = "tiny"
 REPLY = "hello there"
@@ -45,7 +45,7 @@ PORTS = range(21100, 21200)
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 
@@ -185,7 +185,7 @@ def test_a_submit_that_raises_gives_back_every_admission_place(
 def test_a_bug_before_the_first_token_is_a_500_and_gives_back_every_place(
     tokenizer, tmp_path, monkeypatch, stream
 ):
-    from router.generation import Generation
+    from pdserve.router.generation import Generation
 
     app = make_app(tokenizer, tmp_path, node_stats())
     node = FakeNode(tokenizer).install(app)
@@ -206,8 +206,8 @@ def test_a_bug_before_the_first_token_is_a_500_and_gives_back_every_place(
 
 
 def test_a_sampling_value_too_large_for_the_wire_is_a_400_naming_it(tokenizer, tmp_path):
-    from router.generation import Generation
-    from router.validation import Plan
+    from pdserve.router.generation import Generation
+    from pdserve.router.validation import Plan
 
     app = make_app(tokenizer, tmp_path, node_stats())
     state = app.state.router

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from engine.sampling_params import SamplingParams
-from router.app import create_app
-from router.logit_controls import check_logit_controls, logit_control_params
-from router.schemas import CompletionRequest
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.app import create_app
+from pdserve.router.logit_controls import check_logit_controls, logit_control_params
+from pdserve.router.schemas import CompletionRequest
 from tests.router.test_validation import assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
 

@@ -10,23 +10,23 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
-from router.__main__ import parse_args
-from router.access_log import request_id_from
-from router.app import create_app
-from router.config import RouterConfig
-from router.stats_log import StatsLog
+from pdserve.router.__main__ import parse_args
+from pdserve.router.access_log import request_id_from
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.stats_log import StatsLog
+from pdserve.wire.log_format import JSONFormatter, LogSettings
+from pdserve.wire.messages import NodeStats
 from tests.router.test_streaming import MODEL, run_with_node
 from tests.router.unlooped import unlooped_router_config
-from wire.log_format import JSONFormatter, LogSettings
-from wire.messages import NodeStats
 
-ACCESS_LOGGER = "router.access_log"
-STATS_LOGGER = "router.stats_log"
+ACCESS_LOGGER = "pdserve.router.access_log"
+STATS_LOGGER = "pdserve.router.stats_log"
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics
+from pdserve.wire.messages import NodeStats, encode
 from tests.router.test_streaming import MODEL, run_with_node
-from wire.messages import NodeStats, encode
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pdserve.json"
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 

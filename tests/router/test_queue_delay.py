@@ -11,12 +11,12 @@ import dataclasses
 
 import pytest
 
-from router.errors import APIError
-from router.node_client import NodeClient
-from router.node_registry import NodeState
-from router.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
+from pdserve.router.errors import APIError
+from pdserve.router.node_client import NodeClient
+from pdserve.router.node_registry import NodeState
+from pdserve.router.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
+from pdserve.wire.messages import RequestFailed, TokenBatch, TokenUpdate
 from tests.router.test_failover import FakeSocket, generates, stats
-from wire.messages import RequestFailed, TokenBatch, TokenUpdate
 
 PROMPT = list(range(100))  # 100 uncached tokens each
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import random
 
-from router.inflight import InFlight
-from router.node_client import NodeClient
-from router.node_registry import NodeRegistry, NodeState
-from router.queue_delay import PromptQueues
-from router.routing import PrefillRouter, block_hashes, pick_decode_node
-from wire.messages import NodeStats, TokenBatch, TokenUpdate
+from pdserve.router.inflight import InFlight
+from pdserve.router.node_client import NodeClient
+from pdserve.router.node_registry import NodeRegistry, NodeState
+from pdserve.router.queue_delay import PromptQueues
+from pdserve.router.routing import PrefillRouter, block_hashes, pick_decode_node
+from pdserve.wire.messages import NodeStats, TokenBatch, TokenUpdate
 
 
 def stats(node_id: str, role: str, address: str = "", **fields) -> NodeStats:

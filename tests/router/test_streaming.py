@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.app import create_app
-from router.config import RouterConfig
-from wire.messages import (
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.wire.messages import (
     Abort,
     Generate,
     NodeStats,
@@ -91,7 +91,7 @@ class ScriptedNode:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 
@@ -209,8 +209,8 @@ def test_metrics_count_finished_requests(tmp_path, tokenizer):
 
 
 def _generation(http_app_state, prompt_ids, n=2):
-    from router.generation import Generation
-    from router.validation import Plan
+    from pdserve.router.generation import Generation
+    from pdserve.router.validation import Plan
 
     sampling = {
         "temperature": 0.0,
@@ -275,7 +275,7 @@ def test_closing_a_stream_aborts_every_choice(tmp_path, tokenizer):
 
 
 def test_disconnect_while_waiting_aborts(tmp_path, tokenizer):
-    from router.generation import ClientDisconnected
+    from pdserve.router.generation import ClientDisconnected
 
     async def gone() -> bool:
         return True

@@ -9,14 +9,14 @@ import re
 import pytest
 from starlette.testclient import TestClient
 
-from router.app import create_app
-from router.schemas import ChatCompletionRequest, CompletionRequest
-from router.structured import structured_output_of
-from router.unsupported import NOT_IMPLEMENTED
-from router.validation import plan_chat, plan_completion
+from pdserve.router.app import create_app
+from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.structured import structured_output_of
+from pdserve.router.unsupported import NOT_IMPLEMENTED
+from pdserve.router.validation import plan_chat, plan_completion
+from pdserve.text.tokenizer import load_tokenizer
+from pdserve.wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH
 from tests.router.unlooped import unlooped_router_config
-from text.tokenizer import load_tokenizer
-from wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH
 
 MODEL = "tiny"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

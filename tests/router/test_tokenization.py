@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from router.app import create_app
+from pdserve.router.app import create_app
 from tests.router.test_validation import assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
 

@@ -12,13 +12,13 @@ import re
 import httpx
 import pytest
 
-from router.app import create_app
-from router.config import RouterConfig
-from router.tool_output import ToolCallOutput
-from router.tools import ToolMode, ToolPlan
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.tool_output import ToolCallOutput
+from pdserve.router.tools import ToolMode, ToolPlan
+from pdserve.wire.messages import Generate, NodeStats, TokenBatch, TokenUpdate, decode, encode
 from tests.router.test_streaming import ScriptedNode, sse_payloads
 from tests.router.test_tools import TOOLS, WEATHER
-from wire.messages import Generate, NodeStats, TokenBatch, TokenUpdate, decode, encode
 
 MODEL = "tiny"
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
@@ -201,7 +201,7 @@ def run_chat(tmp_path, tokenizer, text: str, body: dict):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    from text.tokenizer import load_tokenizer
+    from pdserve.text.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_llama_dir)
 

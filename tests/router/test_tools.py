@@ -10,10 +10,10 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from router.app import create_app
-from router.config import RouterConfig
-from router.schemas import ChatCompletionRequest
-from router.tools import (
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.router.schemas import ChatCompletionRequest
+from pdserve.router.tools import (
     MAX_TOOLS,
     NO_PARAMETERS,
     TOOLS_INSTRUCTION,
@@ -23,12 +23,12 @@ from router.tools import (
     forced_spec,
     template_input,
 )
-from router.validation import plan_chat
+from pdserve.router.validation import plan_chat
+from pdserve.text.tokenizer import load_tokenizer
 from tests.router.unlooped import unlooped_router_config
 from tests.text.test_chat_template_tools import HERMES_TEMPLATE, PLAIN_TEMPLATE
 from tests.text.test_detokenizer import byte_level_tokenizer
 from tests.text.test_tokenizer import save_folder
-from text.tokenizer import load_tokenizer
 
 MODEL = "tiny"
 WEATHER = {

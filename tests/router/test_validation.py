@@ -11,8 +11,8 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from router.app import create_app
-from router.config import RouterConfig
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
 from tests.router.unlooped import node_stats, unlooped_router_config
 
 MODEL = "tiny"

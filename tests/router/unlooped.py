@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from router.config import RouterConfig
-from wire.messages import NodeStats
+from pdserve.router.config import RouterConfig
+from pdserve.wire.messages import NodeStats
 
 
 def unlooped_router_config(model_path: Path, served_model_name: str, **settings) -> RouterConfig:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from pdserve.text.tokenizer import load_tokenizer
 from tests.text.test_detokenizer import byte_level_tokenizer
 from tests.text.test_tokenizer import save_folder
-from text.tokenizer import load_tokenizer
 
 # Qwen2.5's template, shortened: tools as JSON lines in the system turn, calls in <tool_call>
 # tags, tool results as a user turn of <tool_response> blocks.

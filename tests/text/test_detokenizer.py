@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 CORPUS = [
     "Hello world, the café is naïve. Ünïcödé façade résumé, crème brûlée.",

@@ -1,4 +1,4 @@
-"""text.tokenizer reads a model folder's tokenizer without transformers and gives what
+"""pdserve.text.tokenizer reads a model folder's tokenizer without transformers and gives what
 transformers' AutoTokenizer gives for the same folder: token ids (with and without special
 tokens, BOS/EOS added by tokenizer.json's post-processor), decoded text, token strings, the
 chat template's output; and templates run in a sandbox with Hugging Face's environment."""
@@ -12,10 +12,10 @@ import pytest
 from tokenizers import processors
 from transformers import AutoTokenizer
 
+from pdserve.text.chat_template import ChatTemplateError
+from pdserve.text.detokenizer import IncrementalDetokenizer
+from pdserve.text.tokenizer import load_tokenizer
 from tests.text.test_detokenizer import byte_level_tokenizer, metaspace_tokenizer
-from text.chat_template import ChatTemplateError
-from text.detokenizer import IncrementalDetokenizer
-from text.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world, the café is naïve.",

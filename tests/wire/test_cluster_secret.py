@@ -19,13 +19,19 @@ import pytest
 import torch
 import zmq
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import ChannelReceiver, ChannelSender, ReceiverConfig, SenderConfig, TransferKind
-from kvtransfer.transports.shm_segment import SHM_DIR, segment_name
-from pdserve.launcher import free_port
-from pdserve.serve_process import ServeProcess
+from pdserve.commands.launcher import free_port
+from pdserve.commands.serve_process import ServeProcess
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kvtransfer import (
+    ChannelReceiver,
+    ChannelSender,
+    ReceiverConfig,
+    SenderConfig,
+    TransferKind,
+)
+from pdserve.kvtransfer.transports.shm_segment import SHM_DIR, segment_name
+from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth, is_loopback
 from tests.fault_checks import HEARTBEAT_S, wait_until
-from wire.cluster_auth import SECRET_ENV, ClusterAuth, is_loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
@@ -134,17 +140,17 @@ def test_kv_channel_with_the_secret_transfers_and_without_it_never_gets_a_grant(
 @pytest.mark.parametrize(
     "argv",
     [
-        ["-m", "prefill_node", "--node-id", "p", "--listen", "tcp://0.0.0.0:{port}",
+        ["-m", "pdserve.prefill_node", "--node-id", "p", "--listen", "tcp://0.0.0.0:{port}",
          "--router", "tcp://127.0.0.1:{port}"],
-        ["-m", "decode_node", "--node-id", "d", "--listen",
+        ["-m", "pdserve.decode_node", "--node-id", "d", "--listen",
          "tcp://127.0.0.1:{port}", "--router", "tcp://127.0.0.1:{port}",
          "--kv-listen", "tcp://0.0.0.0:0"],
-        ["-m", "prefill_node", "--node-id", "p", "--listen", "tcp://127.0.0.1:{port}",
+        ["-m", "pdserve.prefill_node", "--node-id", "p", "--listen", "tcp://127.0.0.1:{port}",
          "--router", "tcp://10.1.2.3:{port}"],
-        ["-m", "router", "--model", "m", "--node", "tcp://127.0.0.1:{port}",
+        ["-m", "pdserve.router", "--model", "m", "--node", "tcp://127.0.0.1:{port}",
          "--listen", "tcp://0.0.0.0:{port}"],
-        ["-m", "pdserve.cli", "serve", "--router-listen", "tcp://0.0.0.0:{port}"],
-        ["-m", "pdserve.cli", "serve", "--cluster-secret", "short"],
+        ["-m", "pdserve.commands.cli", "serve", "--router-listen", "tcp://0.0.0.0:{port}"],
+        ["-m", "pdserve.commands.cli", "serve", "--cluster-secret", "short"],
     ],
     ids=["node-listen", "kv-listen", "remote-router", "router-listen", "serve", "short-secret"],
 )
@@ -175,7 +181,8 @@ def start_joiner(tiny_llama_dir, node_id: str, router: str, log: Path, secret_fl
                  env: dict[str, str]) -> subprocess.Popen:
     with open(log, "w") as output:
         return subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(tiny_llama_dir),
+            [sys.executable, "-m", "pdserve.commands.cli", "prefill",
+             "--model", str(tiny_llama_dir),
              "--node-id", node_id, "--listen", f"tcp://127.0.0.1:{free_port()}",
              "--router", router, "--kv-cache-memory", str(16 << 20), *secret_flag],
             cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,

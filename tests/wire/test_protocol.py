@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from wire.limits import MAX_CHOICES_PER_PROMPT
-from wire.messages import (
+from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
+from pdserve.wire.messages import (
     Abort,
     Choice,
     ChoiceToken,
@@ -65,8 +65,8 @@ def test_pickle_payloads_are_not_messages():
 
 
 def test_the_longest_scored_prompt_with_twenty_alternatives_fits_one_message():
-    from wire.limits import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
-    from wire.messages import MAX_MESSAGE_BYTES, TokenBatch, TokenUpdate, decode, encode
+    from pdserve.wire.limits import MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
+    from pdserve.wire.messages import MAX_MESSAGE_BYTES, TokenBatch, TokenUpdate, decode, encode
 
     worst = [150_000, -12.345678901234, 150_000, [[150_000, -0.123456789]] * MAX_LOGPROBS]
 

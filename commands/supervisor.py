@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.child_logs import ChildLogs
+from pdserve.commands.child_logs import ChildLogs
 
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10.0
@@ -77,7 +77,7 @@ class Deployment:
     restart_nodes: bool = True
     before_exec: Callable[[], None] | None = field(default_factory=_parent_death_signal)
     log: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr))
-    # Where children write their output (pdserve/child_logs.py); None: the launcher's own.
+    # Where children write their output (commands/child_logs.py); None: the launcher's own.
     child_logs: ChildLogs | None = None
 
     def start(

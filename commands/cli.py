@@ -4,7 +4,7 @@
   pdserve generate PROMPT...  one-shot greedy generation, printed as it streams
   pdserve chat                interactive chat with the model's chat template
   pdserve serve [MODEL]       the OpenAI-compatible HTTP server (router + nodes)
-  pdserve bench serve         load-test an OpenAI-compatible server (python -m bench.serve)
+  pdserve bench serve         load-test an OpenAI-compatible server (python -m pdserve.bench.serve)
   pdserve colocated|prefill|decode [flags]
                               one node that joins a router elsewhere (python -m <role>_node)
 
@@ -17,21 +17,21 @@ import argparse
 import logging
 import sys
 
-from pdserve.serve_flags import add_engine_flags, add_serve_flags, check_serve_flags
+from pdserve.commands.serve_flags import add_engine_flags, add_serve_flags, check_serve_flags
 
 NODE_ROLES = ("colocated", "prefill", "decode")
 
 def _make_llm(args: argparse.Namespace):
-    from engine import LLM
-    from engine.config import EngineConfig
-    from wire.config_flags import given
+    from pdserve.engine import LLM
+    from pdserve.engine.config import EngineConfig
+    from pdserve.wire.config_flags import given
 
     options = given(EngineConfig, args)
     return LLM(options.pop("model", None), **options)
 
 
 def _params(args: argparse.Namespace):
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
 
@@ -49,11 +49,11 @@ def _print_stream(pieces) -> str:
 
 def cmd_download(args: argparse.Namespace) -> int:
     if args.model is None:
-        from model_store.default_model import ensure_default_model
+        from pdserve.model_store.default_model import ensure_default_model
 
         print(ensure_default_model())
         return 0
-    from model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
+    from pdserve.model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
 
     if not is_hub_id(args.model):
         raise ValueError(f"{args.model!r} is not a Hugging Face Hub id (org/name)")
@@ -91,8 +91,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.launcher import check_cluster_settings, check_node_settings, serve
-    from pdserve.router_plan import check_router_settings
+    from pdserve.commands.launcher import check_cluster_settings, check_node_settings, serve
+    from pdserve.commands.router_plan import check_router_settings
 
     try:
         check_serve_flags(args)
@@ -105,7 +105,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.plan import parse_bytes, plan_capacity, render_json, render_table, resolve_shape
+    from pdserve.commands.plan import (
+        parse_bytes,
+        plan_capacity,
+        render_json,
+        render_table,
+        resolve_shape,
+    )
 
     plan = plan_capacity(
         resolve_shape(args.model),
@@ -123,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.bench_args or args.bench_args[0] != "serve":
         print("pdserve bench: expected `pdserve bench serve [flags]`", file=sys.stderr)
         return 2
-    from bench.serve import main as serve_main
+    from pdserve.bench.serve import main as serve_main
 
     return serve_main(args.bench_args[1:], prog="pdserve bench serve")
 
@@ -131,11 +137,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_node(role: str, node_args: list[str]) -> int:
     """One node of `role` that joins a router elsewhere (`python -m {role}_node` flags)."""
     if role == "prefill":
-        from prefill_node.__main__ import main
+        from pdserve.prefill_node.__main__ import main
     elif role == "decode":
-        from decode_node.__main__ import main
+        from pdserve.decode_node.__main__ import main
     else:
-        from colocated_node.__main__ import main
+        from pdserve.colocated_node.__main__ import main
     return main(node_args)
 
 

@@ -32,11 +32,11 @@ def resolve_served_model(
 ) -> ServedModel:
     """ValueError when the model cannot be found or fetched."""
     if model is None:
-        from model_store.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from pdserve.model_store.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         folder, default_name = ensure_default_model(), DEFAULT_MODEL_NAME
     else:
-        from model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
+        from pdserve.model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
 
         if is_hub_id(model):
             try:
@@ -52,7 +52,7 @@ def resolve_served_model(
 
 def check_model_folder(folder: Path, load_format: str | None = None) -> None:
     """ValueError naming the first thing the nodes or the router would fail on."""
-    from engine.models import MODEL_REGISTRY
+    from pdserve.engine.models import MODEL_REGISTRY
 
     if not folder.is_dir():
         raise ValueError(f"model folder {folder} does not exist (give a folder or an org/name id)")

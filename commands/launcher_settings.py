@@ -2,10 +2,10 @@
 
 How the deployment is laid out (node counts, transport, threads), where it listens, how it is
 run (restarts, output), and which model it serves. Each field's `option` metadata gives its flag
-and help; the serve parser is generated from it (pdserve/serve_flags.py) with the fields'
+and help; the serve parser is generated from it (commands/serve_flags.py) with the fields'
 defaults, so the launcher reads them from its arguments as given or defaulted. The options the
 launcher hands to its children are EngineConfig's, NodeConfig's, RouterConfig's and
-LogSettings' (pdserve/launcher.py, pdserve/router_plan.py); those named here are its own.
+LogSettings' (commands/launcher.py, commands/router_plan.py); those named here are its own.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from wire.config_flags import option
+from pdserve.wire.config_flags import option
 
 GENERATION_CONFIG_DEFAULT = "vllm"
-KV_TRANSPORTS = ("auto", "shm", "zmq", "cuda_ipc")  # auto: pdserve/launcher.py
+KV_TRANSPORTS = ("auto", "shm", "zmq", "cuda_ipc")  # auto: commands/launcher.py
 
 
 @dataclass(frozen=True)

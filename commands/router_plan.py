@@ -1,12 +1,12 @@
 """The router `pdserve serve` starts: its RouterConfig, planned from serve's flags, handed as data.
 
 `pdserve serve` takes every RouterConfig option the launcher does not decide itself, generated
-from the dataclass (pdserve/serve_flags.py). The launcher decides the rest: the model folder
+from the dataclass (commands/serve_flags.py). The launcher decides the rest: the model folder
 and its served names (as it resolved them), `--host`/`--port`, the router's ZeroMQ address, the
 nodes it started, the cluster secret, and, unless `--node-timeout` is given, two of the nodes'
 heartbeat intervals.
 
-The router process's argv is `python -m router` alone. Its settings travel as data: JSON in
+The router process's argv is `python -m pdserve.router` alone. Its settings travel as data: JSON in
 $PDSERVE_ROUTER_CONFIG (router/config.py's CONFIG_ENV), {"router": {field: value}, "log":
 {field: value}}, in field units (the chat template's text, not its file's name). Secrets (the
 options with an `env` variable: the API key; and the cluster secret) travel in their own
@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.model_source import ServedModel
-from router.config import CONFIG_ENV, RouterConfig
-from wire.cluster_auth import SECRET_ENV, ClusterAuth
-from wire.config_flags import build, given, given_as_environment, in_flag_terms
-from wire.log_format import LogSettings
+from pdserve.commands.model_source import ServedModel
+from pdserve.router.config import CONFIG_ENV, RouterConfig
+from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
+from pdserve.wire.config_flags import build, given, given_as_environment, in_flag_terms
+from pdserve.wire.log_format import LogSettings
 
 
 def serve_option(f: dataclasses.Field) -> bool:
@@ -93,4 +93,4 @@ def plan_router(
         **given_as_environment(RouterConfig, args, select=serve_option),
     }
     config = build(RouterConfig, base=values, cluster_auth=ClusterAuth.from_secret(cluster_secret))
-    return RouterPlan([sys.executable, "-m", "router"], env, config)
+    return RouterPlan([sys.executable, "-m", "pdserve.router"], env, config)

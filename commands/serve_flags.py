@@ -3,7 +3,7 @@
 The engine's, the nodes', the router's and the logging options are generated from EngineConfig,
 NodeConfig, RouterConfig and LogSettings (wire/config_flags.py), but for those the launcher
 decides itself (`launcher_sets`); the launcher's own are generated from LauncherSettings
-(pdserve/launcher_settings.py), but for MODEL (positional) and `--cluster-secret` (from the
+(commands/launcher_settings.py), but for MODEL (positional) and `--cluster-secret` (from the
 environment, else made per run), written here.
 
 Where a flag means what vLLM's flag of the same name means, it has vLLM's spelling (the table in
@@ -18,10 +18,10 @@ import argparse
 import dataclasses
 import os
 
-from pdserve.launcher_settings import LauncherSettings
-from wire.cluster_auth import SECRET_ENV
-from wire.config_flags import add_flags, given
-from wire.log_format import LogSettings
+from pdserve.commands.launcher_settings import LauncherSettings
+from pdserve.wire.cluster_auth import SECRET_ENV
+from pdserve.wire.config_flags import add_flags, given
+from pdserve.wire.log_format import LogSettings
 
 
 def _not_launcher_set(f: dataclasses.Field) -> bool:
@@ -30,7 +30,7 @@ def _not_launcher_set(f: dataclasses.Field) -> bool:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """`pdserve generate` and `pdserve chat`: every EngineConfig option, and sampling."""
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     add_flags(parser, EngineConfig)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -39,9 +39,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def _node_option_flags(serve: argparse.ArgumentParser) -> None:
     """Every EngineConfig and NodeConfig option the launcher does not decide itself, generated
-    from the dataclasses; the launcher hands each node the values given (pdserve/launcher.py)."""
-    from engine.config import EngineConfig
-    from node.config import NodeConfig
+    from the dataclasses; the launcher hands each node the values given (commands/launcher.py)."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node.config import NodeConfig
 
     add_flags(
         serve.add_argument_group("engine (each node's EngineConfig)"), EngineConfig,
@@ -56,8 +56,8 @@ def _node_option_flags(serve: argparse.ArgumentParser) -> None:
 
 def _router_option_flags(serve: argparse.ArgumentParser) -> None:
     """Every RouterConfig option the launcher does not decide itself, generated from the
-    dataclass; the launcher hands the router the values given (pdserve/router_plan.py)."""
-    from router.config import RouterConfig
+    dataclass; the launcher hands the router the values given (commands/router_plan.py)."""
+    from pdserve.router.config import RouterConfig
 
     add_flags(
         serve.add_argument_group("router (the router's RouterConfig)"), RouterConfig,

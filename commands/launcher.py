@@ -18,7 +18,7 @@ transports it holds its own GPU alone. Each node gets `--processes-on-device` (h
 share its GPU) and the operator's `--gpu-memory-utilization` (default 0.9), which those nodes
 share equally (engine/memory_budget.py).
 
-Then it supervises (pdserve/supervisor.py): a node that exits is restarted with the same node id
+Then it supervises (commands/supervisor.py): a node that exits is restarted with the same node id
 and address (`--no-restart-nodes`: the deployment serves on without it) and rejoins the router
 by its heartbeat, nothing else restarting; the router exiting, or a node crash-looping, stops
 everything with status 1. Nodes heartbeat every `--heartbeat-interval` seconds and the router
@@ -32,7 +32,7 @@ Every ZeroMQ link between the children is secured by a cluster secret (wire/clus
 `--cluster-secret`, else a random one made for this run. Children get it in their environment,
 never on their command line (which `ps` shows to every user); the router gets `--api-key` there
 too. Each child's other settings travel as JSON in its environment as well (node/cli.py,
-pdserve/router_plan.py): its argv names the module alone.
+commands/router_plan.py): its argv names the module alone.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.child_logs import ChildLogs
-from pdserve.model_source import check_model_folder, resolve_served_model
-from pdserve.router_plan import plan_router
-from pdserve.supervisor import Deployment
-from wire.cluster_auth import SECRET_ENV
-from wire.config_flags import given, in_flag_terms
-from wire.log_format import LogSettings
+from pdserve.commands.child_logs import ChildLogs
+from pdserve.commands.model_source import check_model_folder, resolve_served_model
+from pdserve.commands.router_plan import plan_router
+from pdserve.commands.supervisor import Deployment
+from pdserve.wire.cluster_auth import SECRET_ENV
+from pdserve.wire.config_flags import given, in_flag_terms
+from pdserve.wire.log_format import LogSettings
 
 READY_TIMEOUT_S = 600.0
 
@@ -74,8 +74,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def node_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The node options given to `pdserve serve`, as field values (node/cli.py's
     PDSERVE_NODE_CONFIG parts); each node's own addresses and device are added per node."""
-    from engine.config import EngineConfig
-    from node.config import NodeConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node.config import NodeConfig
 
     def for_nodes(f: dataclasses.Field) -> bool:  # not the launcher's own, not the router's
         roles = f.metadata.get("roles")
@@ -92,8 +92,8 @@ def node_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def check_node_settings(args: argparse.Namespace) -> None:
     """ValueError, with the field and its value, for a node option out of range: checked by
     the dataclasses themselves, before any process starts."""
-    from engine.config import EngineConfig
-    from node.config import NodeConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.node.config import NodeConfig
 
     settings = node_settings(args)
     addresses = {"node_id": "-", "listen_address": "-", "router_address": "-"}
@@ -115,7 +115,7 @@ def check_node_settings(args: argparse.Namespace) -> None:
 
 def check_cluster_settings(args: argparse.Namespace) -> None:
     """ValueError for a bad secret, or for a router others should join without one to share."""
-    from wire.cluster_auth import check_secret, is_loopback
+    from pdserve.wire.cluster_auth import check_secret, is_loopback
 
     if args.cluster_secret is not None:
         check_secret(args.cluster_secret)
@@ -202,17 +202,17 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     """One process per node; on a GPU host each runs on one GPU (see the module docstring for
     which and what else it sees), on a CPU host on an equal share of the cores unless
     `--threads-per-node` says otherwise."""
-    from node.config import CONFIG_ENV
+    from pdserve.node.config import CONFIG_ENV
 
     settings = node_settings(args)
     engine = {**settings["engine"], "model": model}
     node = {**settings["node"], "router_address": router_address}
     if args.colocated:
-        roles = [("colocated", "colocated_node")]
+        roles = [("colocated", "pdserve.colocated_node")]
     else:
         node["kv_transport"] = choose_kv_transport(args.kv_transport)
-        roles = [("prefill", "prefill_node")] * args.prefill
-        roles += [("decode", "decode_node")] * args.decode
+        roles = [("prefill", "pdserve.prefill_node")] * args.prefill
+        roles += [("decode", "pdserve.decode_node")] * args.decode
     gpus = launcher_gpus(os.environ, _gpu_count())
     see_every_gpu = node.get("kv_transport") == "cuda_ipc"
     placements = place_on_gpus(len(roles), gpus, see_every_gpu) if gpus else None
@@ -274,7 +274,7 @@ def serve(args: argparse.Namespace) -> int:
     nodes = plan_nodes(args, model, router_address)
     cluster_secret = args.cluster_secret or secrets.token_urlsafe(32)
     secret_env = {SECRET_ENV: cluster_secret}
-    from node.config import NodeConfig
+    from pdserve.node.config import NodeConfig
 
     router = plan_router(
         args, served, router_address, [f"{node.name}={node.address}" for node in nodes],
