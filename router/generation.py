@@ -137,7 +137,6 @@ class Generation:
         self.choices: list[_Choice] = []
         self._by_request_id: dict[str, _Choice] = {}
         self._places: dict[int, int] = {}  # choice -> its prompt tokens, while it holds a place
-        self.poll_disconnect: Callable[[], Awaitable[bool]] | None = None
         self._poll_at = 0.0
 
     @property
@@ -258,25 +257,33 @@ class Generation:
     def _unfinished(self) -> bool:
         return any(c.finish_reason is None for c in self.choices)
 
-    async def events(self) -> AsyncIterator[list[ChoiceEvent]]:
+    async def events(
+        self,
+        poll_disconnect: Callable[[], Awaitable[bool]] | None = None,
+        poll_until_first_event: bool = False,
+    ) -> AsyncIterator[list[ChoiceEvent]]:
+        """The choices' events, batched as they arrive. With `poll_disconnect`, the client is
+        asked whether it left (ClientDisconnected) - until the first event only, with
+        `poll_until_first_event`: a streaming response watches its connection from then on."""
         try:
             while self._unfinished():
-                messages = [await self._next()]
+                messages = [await self._next(poll_disconnect)]
                 while not self.queue.empty():
                     messages.append(self.queue.get_nowait())
                 events = [e for e in map(self._handle, messages) if e is not None]
                 if events:
+                    if poll_until_first_event:
+                        poll_disconnect = None
                     yield events
             if self.failure is not None:
                 raise self.failure
         finally:
             self.close()
 
-    async def _next(self) -> Any:
-        """The next node message. With `poll_disconnect`, asks it at least every
-        DISCONNECT_POLL_S, also while tokens keep arriving faster than that."""
+    async def _next(self, poll: Callable[[], Awaitable[bool]] | None) -> Any:
+        """The next node message. With `poll`, asks it at least every DISCONNECT_POLL_S, also
+        while tokens keep arriving faster than that."""
         while True:
-            poll = self.poll_disconnect
             if poll is None:
                 return await self.queue.get()
             now = time.monotonic()

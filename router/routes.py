@@ -158,14 +158,12 @@ async def _generate(
     responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
     at_request_end(request.scope, generation.close)  # before start(): covers every exit
     generation.start()
-    generation.poll_disconnect = request.is_disconnected
-    events = generation.events()
+    events = generation.events(request.is_disconnected, poll_until_first_event=req.stream)
     try:
         if not req.stream:
             return JSONResponse(await responder.collect(events))
         first = await anext(events)
     finally:
-        generation.poll_disconnect = None
         if not req.stream:
             await events.aclose()
     response = EventStreamResponse(

@@ -281,11 +281,28 @@ def test_disconnect_while_waiting_aborts(tmp_path, tokenizer):
         return True
 
     async def body(generation):
-        generation.poll_disconnect = gone
         with pytest.raises(ClientDisconnected):
-            async for _ in generation.events():
+            async for _ in generation.events(gone):
                 pass
 
     node, state = _run_generation_scenario(tmp_path, tokenizer, body, delay=0.5)
     assert node.aborted == {"cmpl-test-0", "cmpl-test-1"}
     assert not state.client.inflight
+
+
+def test_a_stream_stops_asking_for_its_client_after_the_first_event(tmp_path, tokenizer):
+    """From the first event on, the streaming response watches the connection itself."""
+    polls_after_first = []
+    first_seen = []
+
+    async def here() -> bool:
+        if first_seen:
+            polls_after_first.append(True)
+        return False
+
+    async def body(generation):
+        async for _ in generation.events(here, poll_until_first_event=True):
+            first_seen.append(True)
+
+    _run_generation_scenario(tmp_path, tokenizer, body, delay=0.05)
+    assert first_seen and not polls_after_first
