@@ -32,26 +32,25 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import os
 import resource
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.burst_report import markdown
-from pdserve.bench.serve_metrics import percentile
+from pdserve.bench.burst_streams import StreamRecord, absorb_event, summarize
+from pdserve.bench.server_processes import (
+    sample_rss,
+    sample_rss_every,
+    server_processes,
+    status_kib,
+)
 from pdserve.bench.sweep import CONFIGS as DEPLOYMENTS
 from pdserve.bench.sweep import say
 from pdserve.commands.serve_process import ServeProcess
-from pdserve.node.config import CONFIG_ENV as NODE_CONFIG_ENV
 
 RESULTS = Path(__file__).parent / "results"
-REFUSAL_STATUSES = (429, 503)
 WARMUP_REQUESTS = 2
 SETTLE_S = 2.0
 SAMPLE_INTERVAL_S = 0.1
@@ -59,112 +58,6 @@ STREAMS_PER_CLIENT = 20
 
 if TYPE_CHECKING:
     import httpx
-
-
-class Outcome(str, Enum):
-    COMPLETED = "completed"
-    REFUSED = "refused"
-    DIED = "died after a token"
-    TIMED_OUT = "timed out"
-    FAILED = "failed"
-
-
-@dataclass
-class StreamRecord:
-    """What one request saw; times in seconds from the burst start."""
-
-    sent_s: float = 0.0
-    written_s: float | None = None  # the whole request was on the wire
-    status: int | None = None  # None: no HTTP answer arrived
-    first_token_s: float | None = None  # the first streamed choice
-    end_s: float = 0.0
-    text_chunks: int = 0
-    usage_tokens: int | None = None
-    finish_reason: str | None = None
-    error_event: str = ""
-    exception: str = ""  # the connection failed, or was cut mid-stream
-    timed_out: bool = False
-    body: str = ""  # the start of a non-200 answer
-
-    @property
-    def tokens(self) -> int:
-        return self.usage_tokens if self.usage_tokens is not None else self.text_chunks
-
-
-def absorb_event(record: StreamRecord, data: str, now_s: float) -> None:
-    """One SSE `data:` payload of a /v1/completions stream."""
-    if data == "[DONE]":
-        return
-    chunk = json.loads(data)
-    error = chunk.get("error")
-    if error:
-        message = error.get("message", error) if isinstance(error, dict) else error
-        record.error_event = str(message)[:200]
-        return
-    choices = chunk.get("choices")
-    if choices:
-        if record.first_token_s is None:
-            record.first_token_s = now_s
-        if choices[0].get("text"):
-            record.text_chunks += 1
-        record.finish_reason = choices[0].get("finish_reason") or record.finish_reason
-    usage = chunk.get("usage")
-    if usage:
-        record.usage_tokens = usage.get("completion_tokens")
-
-
-def classify(record: StreamRecord, expected_tokens: int) -> tuple[Outcome, str]:
-    """The request's one outcome and what, if not completed, ended it."""
-    tokens = record.tokens
-    if record.timed_out:
-        return Outcome.TIMED_OUT, f"after {tokens} tokens"
-    if record.status is None:
-        return Outcome.FAILED, f"no answer: {record.exception}"
-    if record.status in REFUSAL_STATUSES:
-        return Outcome.REFUSED, f"HTTP {record.status}"
-    if record.status != 200:
-        return Outcome.FAILED, f"HTTP {record.status}: {record.body}"
-    if record.first_token_s is None:
-        if record.error_event:
-            return Outcome.REFUSED, "error event"
-        if record.exception:
-            return Outcome.FAILED, f"the stream broke before a token: {record.exception}"
-        return Outcome.FAILED, "the stream ended without a token"
-    if record.error_event:
-        return Outcome.DIED, f"error event after {tokens} tokens: {record.error_event}"
-    if record.exception:
-        return Outcome.DIED, f"the stream broke after {tokens} tokens: {record.exception}"
-    if record.finish_reason is None:
-        return Outcome.DIED, f"{tokens} of {expected_tokens} tokens and no finish_reason"
-    if tokens != expected_tokens:
-        return Outcome.FAILED, f"finish_reason {record.finish_reason!r} after {tokens} tokens"
-    return Outcome.COMPLETED, ""
-
-
-def summarize(records: list[StreamRecord], expected_tokens: int) -> dict:
-    """Counts per outcome (they add up to the requests), refusals by kind, latencies."""
-    classified = [(record, *classify(record, expected_tokens)) for record in records]
-    counts = Counter(outcome for _, outcome, _ in classified)
-    ttfts = [r.first_token_s - r.sent_s for r, o, _ in classified if o is Outcome.COMPLETED]
-    refusals = [r.end_s - r.sent_s for r, o, _ in classified if o is Outcome.REFUSED]
-    unfinished = Counter(f"{o.value}: {d}" for _, o, d in classified if o is not Outcome.COMPLETED)
-    return {
-        "requests": len(records),
-        **{outcome.name.lower(): counts[outcome] for outcome in Outcome},
-        "refused_by": dict(Counter(d for _, o, d in classified if o is Outcome.REFUSED)),
-        "not_completed": dict(unfinished.most_common()),
-        "ttft_p50": percentile(ttfts, 50),
-        "ttft_p99": percentile(ttfts, 99),
-        "refusal_p50": percentile(refusals, 50),
-        "refusal_p99": percentile(refusals, 99),
-        "drain_s": max((r.end_s for r in records), default=math.nan),
-        "last_written_s": max(
-            (r.written_s for r in records if r.written_s is not None), default=math.nan
-        ),
-    }
-
-
-# -- the client --------------------------------------------------------------------------------
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -207,19 +100,6 @@ async def _one(http: httpx.AsyncClient, body: dict, start: float, timeout_s: flo
     return record
 
 
-def _sample_rss(pids: dict[str, int], peaks: dict[str, int]) -> None:
-    for label, pid in pids.items():
-        kib = status_kib(pid, "VmRSS")
-        if kib is not None:
-            peaks[label] = max(peaks.get(label, 0), kib)
-
-
-async def _sampler(pids: dict[str, int], peaks: dict[str, int]) -> None:
-    while True:
-        _sample_rss(pids, peaks)
-        await asyncio.sleep(SAMPLE_INTERVAL_S)
-
-
 async def send_burst(
     url: str,
     bodies: list[dict],
@@ -247,7 +127,7 @@ async def send_burst(
             )
             for _ in range(0, len(bodies), STREAMS_PER_CLIENT)
         ]
-        sampler = asyncio.create_task(_sampler(pids or {}, peaks))
+        sampler = asyncio.create_task(sample_rss_every(SAMPLE_INTERVAL_S, pids or {}, peaks))
         start = time.perf_counter()
         records = await asyncio.gather(
             *(
@@ -256,7 +136,7 @@ async def send_burst(
             )
         )
         sampler.cancel()
-    _sample_rss(pids or {}, peaks)
+    sample_rss(pids or {}, peaks)
     return list(records), peaks
 
 
@@ -277,59 +157,6 @@ def run_async(coroutine):
 
 
 # -- the server and its processes -----------------------------------------------------------
-
-
-def status_kib(pid: int, name: str) -> int | None:
-    """A `kB` line of /proc/PID/status (VmRSS, VmHWM); None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith(f"{name}:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def process_label(argv: list[str], node_config: str | None = None) -> str:
-    """`router`, or a node's id without its per-deployment suffix (`prefill-0`): from its
-    command line, or from the settings `pdserve serve` hands it as data (`node_config`, the
-    JSON of its PDSERVE_NODE_CONFIG)."""
-    if "--node-id" in argv[:-1]:
-        return argv[argv.index("--node-id") + 1].split(".")[0]
-    if node_config is not None:
-        return json.loads(node_config)["node"]["node_id"].split(".")[0]
-    if "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1].removeprefix("pdserve.")
-    return Path(argv[0]).name if argv else "?"
-
-
-def server_processes(launcher_pid: int) -> dict[str, int]:
-    """The launcher's children (the router and the nodes) by label, found through the parent
-    ids in /proc/*/stat."""
-    found: dict[str, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            if parent != launcher_pid:
-                continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
-                argv = [a.decode(errors="replace") for a in cmdline.read().split(b"\0") if a]
-            with open(f"/proc/{entry.name}/environ", "rb") as environ:
-                prefix = f"{NODE_CONFIG_ENV}=".encode()
-                config = next(
-                    (e[len(prefix) :].decode() for e in environ.read().split(b"\0")
-                     if e.startswith(prefix)),
-                    None,
-                )
-            label = process_label(argv, config)
-        except (OSError, ValueError, IndexError, KeyError):
-            continue
-        found[label if label not in found else f"{label} ({entry.name})"] = int(entry.name)
-    return dict(sorted(found.items()))
 
 
 def raise_open_file_limit(needed: int) -> None:

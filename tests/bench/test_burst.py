@@ -12,19 +12,10 @@ import os
 import httpx
 import pytest
 
-from pdserve.bench.burst import (
-    Outcome,
-    StreamRecord,
-    absorb_event,
-    classify,
-    completion_body,
-    main,
-    parse_args,
-    process_label,
-    send_burst,
-    summarize,
-)
+from pdserve.bench.burst import completion_body, main, parse_args, send_burst
 from pdserve.bench.burst_report import markdown
+from pdserve.bench.burst_streams import Outcome, StreamRecord, absorb_event, classify, summarize
+from pdserve.bench.server_processes import process_label
 
 MAX_TOKENS = 4
 

@@ -1,0 +1,81 @@
+"""The processes of a running `pdserve serve` deployment, seen from outside through /proc: who
+each child is (the router, or a node by its id) and how much memory it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+from pdserve.node.config import CONFIG_ENV as NODE_CONFIG_ENV
+
+
+def status_kib(pid: int, name: str) -> int | None:
+    """A `kB` line of /proc/PID/status (VmRSS, VmHWM); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith(f"{name}:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def process_label(argv: list[str], node_config: str | None = None) -> str:
+    """`router`, or a node's id without its per-deployment suffix (`prefill-0`): from its
+    command line, or from the settings `pdserve serve` hands it as data (`node_config`, the
+    JSON of its PDSERVE_NODE_CONFIG)."""
+    if "--node-id" in argv[:-1]:
+        return argv[argv.index("--node-id") + 1].split(".")[0]
+    if node_config is not None:
+        return json.loads(node_config)["node"]["node_id"].split(".")[0]
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1].removeprefix("pdserve.")
+    return Path(argv[0]).name if argv else "?"
+
+
+def server_processes(launcher_pid: int) -> dict[str, int]:
+    """The launcher's children (the router and the nodes) by label, found through the parent
+    ids in /proc/*/stat."""
+    found: dict[str, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            if parent != launcher_pid:
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                argv = [a.decode(errors="replace") for a in cmdline.read().split(b"\0") if a]
+            with open(f"/proc/{entry.name}/environ", "rb") as environ:
+                prefix = f"{NODE_CONFIG_ENV}=".encode()
+                config = next(
+                    (e[len(prefix) :].decode() for e in environ.read().split(b"\0")
+                     if e.startswith(prefix)),
+                    None,
+                )
+            label = process_label(argv, config)
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+        found[label if label not in found else f"{label} ({entry.name})"] = int(entry.name)
+    return dict(sorted(found.items()))
+
+
+def sample_rss(pids: dict[str, int], peaks: dict[str, int]) -> None:
+    """Raises each label's peak in `peaks` to its process's VmRSS now (KiB)."""
+    for label, pid in pids.items():
+        kib = status_kib(pid, "VmRSS")
+        if kib is not None:
+            peaks[label] = max(peaks.get(label, 0), kib)
+
+
+async def sample_rss_every(
+    interval_s: float, pids: dict[str, int], peaks: dict[str, int]
+) -> None:
+    """Keeps `peaks` (label -> largest VmRSS in KiB) up to date until cancelled."""
+    while True:
+        sample_rss(pids, peaks)
+        await asyncio.sleep(interval_s)
