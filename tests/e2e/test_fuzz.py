@@ -42,11 +42,6 @@ def bodies(model: str, endpoint_fields: dict) -> st.SearchStrategy:
     )
 
 
-@pytest.fixture(scope="module")
-def model_name(pdserve_server):
-    return httpx.get(f"{pdserve_server}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
 def check(url: str, path: str, body: object) -> None:
     response = httpx.post(f"{url}{path}", json=body, timeout=60)
     assert response.status_code < 500, response.text[:200]

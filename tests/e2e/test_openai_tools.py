@@ -71,11 +71,6 @@ def validate(value: Any, schema: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(pdserve_server):
-    return openai.OpenAI(base_url=f"{pdserve_server}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def model(client):
     return client.models.list().data[0].id
 
