@@ -41,6 +41,7 @@ SLOW_MODULES = (
     "engine/test_admission.py",
     "engine/test_disaggregated_engine.py",
     "engine/test_greedy_parity.py",
+    "engine/test_hostile_requests.py",
     "engine/test_penalties.py",
     "engine/test_preemption_modes.py",
     "engine/test_prefix_caching.py",
