@@ -46,13 +46,6 @@ class EchoNode(ScriptedNode):
             await self.push.send(encode(TokenBatch("n0", [update])))
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    from pdserve.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_llama_dir)
-
-
 @pytest.fixture
 def echo(monkeypatch):
     monkeypatch.setattr(test_streaming, "ScriptedNode", EchoNode)

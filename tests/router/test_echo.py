@@ -58,13 +58,6 @@ def scoring(monkeypatch):
     monkeypatch.setattr(test_streaming, "ScriptedNode", ScoringNode)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    from pdserve.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_llama_dir)
-
-
 def post(tmp_path, tokenizer, route="/v1/completions", **fields):
     async def scenario(http, node):
         body = {"model": MODEL, **fields}

@@ -24,13 +24,6 @@ ACCESS_LOGGER = "pdserve.router.access_log"
 STATS_LOGGER = "pdserve.router.stats_log"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    from pdserve.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_llama_dir)
-
-
 def access_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == ACCESS_LOGGER]
 

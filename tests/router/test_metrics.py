@@ -20,13 +20,6 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pdserve.
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    from pdserve.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
 def scrape(tmp_path_factory, tokenizer) -> dict:
     """One completion of 3 tokens, one 404, and NodeStats with queue waits; then /metrics."""
 

@@ -89,13 +89,6 @@ class ScriptedNode:
         self.context.term()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    from pdserve.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_llama_dir)
-
-
 def run_with_node(tmp_path, tokenizer, scenario):
     node_addr, router_addr = f"ipc://{tmp_path}/node", f"ipc://{tmp_path}/router"
     config = RouterConfig(

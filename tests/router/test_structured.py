@@ -14,7 +14,6 @@ from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.structured import structured_output_of
 from pdserve.router.unsupported import NOT_IMPLEMENTED
 from pdserve.router.validation import plan_chat, plan_completion
-from pdserve.text.tokenizer import load_tokenizer
 from pdserve.wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH
 from tests.router.unlooped import unlooped_router_config
 
@@ -49,11 +48,6 @@ MAPPING = [
 @pytest.fixture(scope="module")
 def config(tiny_llama_dir):
     return unlooped_router_config(tiny_llama_dir, MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    return load_tokenizer(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")

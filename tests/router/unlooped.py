@@ -19,8 +19,11 @@ def unlooped_router_config(model_path: Path, served_model_name: str, **settings)
     )
 
 
-def node_stats(max_model_len: int = 64, vocab_size: int = 512) -> NodeStats:
-    """What a live colocated node reports, idle, with 10 free blocks."""
+def node_stats(
+    max_model_len: int = 64, vocab_size: int = 512, *, blocks: int = 10, block_size: int = 0
+) -> NodeStats:
+    """What a live colocated node reports, idle, with `blocks` free blocks (of `block_size`
+    tokens; 0: not reported, so the router checks no KV capacity)."""
     return NodeStats(
         node_id="n0",
         role="colocated",
@@ -28,9 +31,10 @@ def node_stats(max_model_len: int = 64, vocab_size: int = 512) -> NodeStats:
         vocab_size=vocab_size,
         num_waiting=0,
         num_running=0,
-        num_free_blocks=10,
-        num_total_blocks=10,
+        num_free_blocks=blocks,
+        num_total_blocks=blocks,
         num_preemptions=0,
         prompt_tokens_total=0,
         generation_tokens_total=0,
+        block_size=block_size,
     )
