@@ -11,8 +11,23 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test]'
+	$(MAKE) --no-print-directory libibverbs
+	$(PY) -m pip install -e '.[test,mooncake]'
 	touch $(STAMP)
+
+# The mooncake KV transport's engine links libibverbs (no RDMA device needed). Installed with
+# apt-get where it is missing on a Debian-like host, as root or through sudo; elsewhere a note.
+.PHONY: libibverbs
+libibverbs:
+	@if [ "$$(uname -s)" != Linux ] || ! command -v dpkg >/dev/null; then exit 0; fi; \
+	if dpkg -s libibverbs1 >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=; elif command -v sudo >/dev/null; then sudo="sudo -n"; \
+	else sudo=none; fi; \
+	if [ "$$sudo" != none ] && command -v apt-get >/dev/null; then \
+		$$sudo apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		{ $$sudo apt-get update -q >/dev/null 2>&1 && $$sudo apt-get install -y -q libibverbs1; } \
+		&& exit 0; fi; \
+	echo "note: libibverbs1 is not installed; the mooncake KV transport (and its tests) need it"
 
 download: install
 	$(VENV)/bin/pdserve download

@@ -3,10 +3,12 @@
 1. Bandwidth. A decode peer process (`python -m pdserve.kvtransfer.peer`) registers a KV buffer
    shaped like the default model's (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, fp32, 16-token
    blocks, 720 KiB per block). This process writes the blocks of one transfer (1 to 512 MiB,
-   consecutive block ids; shm also with shuffled ids) and waits for the decode side's commit:
-   GB/s = bytes / (write call -> COMPLETE), best of --repeats. Reference: a same-process
-   contiguous torch copy of the same bytes, and for zmq the raw ceiling, a plain TCP socket
-   over loopback between two processes (sendall -> recv_into).
+   consecutive block ids; shm and mooncake also with shuffled ids) and waits for the decode
+   side's commit: GB/s = bytes / (write call -> COMPLETE), best of --repeats. Reference: a
+   same-process contiguous torch copy of the same bytes, and for zmq and mooncake the raw
+   ceiling, a plain TCP socket over loopback between two processes (sendall -> recv_into).
+   mooncake runs where it is installed (`pip install 'pdserve[mooncake]'`), else its columns
+   say so.
 2. Overlap. The default model prefills a --prompt-tokens prompt in --chunk-tokens chunks
    (LLMEngine, real forward passes); after each chunk the blocks it completed are written to
    the decode peer as their own transfer. Runs: compute only; synchronous (wait for each chunk's
@@ -43,6 +45,7 @@ from pdserve.engine.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import ChannelSender, KVDescriptor, SenderConfig, TransferKind
 from pdserve.kvtransfer.descriptor import dtype_name
 from pdserve.kvtransfer.peer import PeerProcess
+from pdserve.kvtransfer.transports.mooncake_engine import mooncake_missing
 
 MIB = 2**20
 GB = 1e9
@@ -50,7 +53,10 @@ DEFAULT_MODEL_KV = KVCacheSpec(
     num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32
 )
 TARGET_SHM, TARGET_ZMQ, TARGETS_FROM_MIB = 0.6, 0.3, 16
-TRANSPORTS = ("shm", "zmq")
+TARGET_MOONCAKE = TARGET_ZMQ  # a network transport, like zmq
+MOONCAKE_MISSING = mooncake_missing()
+TRANSPORTS = ("shm", "zmq") if MOONCAKE_MISSING else ("shm", "zmq", "mooncake")
+BANDWIDTH_CASES = ("shm", "shm shuffled", "zmq", "mooncake", "mooncake shuffled")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -210,7 +216,9 @@ def bandwidth_rows(args, logs: Path) -> tuple[list[list[str]], list[str]]:
             blocks = list(range(count))
             shuffled = random.Random(count).sample(range(num_blocks), count)
             cases = {
-                "shm": ("shm", blocks), "zmq": ("zmq", blocks), "shm shuffled": ("shm", shuffled)
+                name: (name.split()[0], shuffled if name.endswith("shuffled") else blocks)
+                for name in BANDWIDTH_CASES
+                if name.split()[0] in TRANSPORTS
             }
             seconds = {
                 name: best_seconds(
@@ -224,14 +232,18 @@ def bandwidth_rows(args, logs: Path) -> tuple[list[list[str]], list[str]]:
             ratios = {name: memcpy / s for name, s in seconds.items()}
             rows.append([
                 f"{size_mib} MiB", f"{nbytes / MIB:.1f} MiB", f"{nbytes / memcpy / GB:.2f}",
-                *(f"{nbytes / seconds[n] / GB:.2f} (**{ratios[n]:.2f}x**)"
-                  for n in ("shm", "shm shuffled", "zmq")),
+                *(f"{nbytes / seconds[n] / GB:.2f} (**{ratios[n]:.2f}x**)" if n in seconds
+                  else "not installed" for n in BANDWIDTH_CASES),
                 f"{nbytes / tcp[nbytes] / GB:.2f} ({memcpy / tcp[nbytes]:.2f}x)",
             ])
             say(f"  {size_mib} MiB: " + ", ".join(f"{n} {r:.2f}x" for n, r in ratios.items()))
             if size_mib >= TARGETS_FROM_MIB:
                 verdicts.append(_verdict("shm", size_mib, ratios["shm"], TARGET_SHM))
                 verdicts.append(_verdict("zmq", size_mib, ratios["zmq"], TARGET_ZMQ))
+                if "mooncake" in ratios:
+                    verdicts.append(
+                        _verdict("mooncake", size_mib, ratios["mooncake"], TARGET_MOONCAKE)
+                    )
     finally:
         for sender in senders.values():
             sender.close()
@@ -364,10 +376,12 @@ def main(argv: list[str] | None = None) -> None:
             "KV shaped like the default model's (30 layers, 3 KV heads, head dim 64, fp32, 720 "
             "KiB per block), decode side in a second process, timed from `write` to the sender's "
             f"COMPLETE (the decode side's commit), best of >= {args.repeats} after a warm-up. "
-            "Raw TCP: the same bytes over one loopback socket between two processes."
+            "Raw TCP: the same bytes over one loopback socket between two processes. "
+            "mooncake: Mooncake Transfer Engine over TCP, one batched write per 4 MiB step"
+            + (f" (not run: {MOONCAKE_MISSING})." if MOONCAKE_MISSING else ".")
         ),
         md_table(["transfer", "bytes", "memcpy", "shm", "shm, shuffled ids", "zmq (tcp)",
-                  "raw TCP"], bandwidth),
+                  "mooncake (tcp)", "mooncake, shuffled ids", "raw TCP"], bandwidth),
         "\n".join(f"- {v}" for v in verdicts),
         "## Transfer hidden behind chunked prefill",
         overlap_setup + " Transfer = wall time outside forward passes; hidden = 1 - "

@@ -11,7 +11,9 @@
    ended from above the engine, as a stop string is): mean running sequences per step and
    throughput, with the ratio.
 Greedy tokens of every run are compared with the first run of the same workload (they must be
-identical). Prefix caching is off, so a recomputed sequence pays its whole prompt again.
+identical, so every run is fp32: in bf16 a recomputed prompt may round differently from the
+decode steps it replaces). Prefix caching is off, so a recomputed sequence pays its whole
+prompt again.
 Writes bench/results/preemption.md.
 """
 
@@ -122,6 +124,7 @@ def admission_workload(args: argparse.Namespace) -> list[Job]:
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        dtype="float32",
         enable_prefix_caching=False,
         num_threads=args.threads,
         max_num_batched_tokens=512,

@@ -31,6 +31,8 @@ __all__ = [
     "summarize",
 ]
 ENDPOINTS = ("completions", "chat")
+#: httpx's words for a reused connection that the server had closed before it answered
+STALE_CONNECTION = "Server disconnected without sending a response"
 
 
 @dataclass
@@ -140,6 +142,19 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict, timing: Reques
         timing.error = "no text was streamed"
 
 
+async def _send(http: httpx.AsyncClient, path: str, body: dict, timing: RequestTiming) -> None:
+    """`_stream`, sent once more when the server closed a reused keep-alive connection before
+    answering. llama.cpp's server closes its connection after every streamed answer, at times
+    only after the client has sent its next request on it; that request was never read, so it
+    goes again on a fresh connection, its clock restarted."""
+    try:
+        await _stream(http, path, body, timing)
+    except httpx.RemoteProtocolError as error:
+        if STALE_CONNECTION not in str(error):
+            raise
+        await _stream(http, path, body, timing)
+
+
 async def _one(
     http: httpx.AsyncClient,
     model: str,
@@ -153,10 +168,10 @@ async def _one(
     path, body = _body(model, request, options)
     try:
         if slots is None:
-            await _stream(http, path, body, timing)
+            await _send(http, path, body, timing)
         else:
             async with slots:
-                await _stream(http, path, body, timing)
+                await _send(http, path, body, timing)
     except Exception as error:  # noqa: BLE001 - one bad answer must not end the whole run
         timing.error = f"{type(error).__name__}: {error}"[:200]
     if not timing.error and options.ignore_eos and timing.output_tokens != request.max_tokens:

@@ -170,7 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=cmd_serve, parser=serve)
     plan = sub.add_parser("plan", help="KV cache size and maximum concurrency for a model")
     plan.add_argument("--model", required=True, help="a model folder or a known name")
-    plan.add_argument("--dtype", default="bf16", help="KV and weight dtype (default bf16)")
+    plan.add_argument(
+        "--dtype", default="bf16",
+        help="KV and weight dtype (default bf16, what --dtype auto runs on CUDA and on CPUs with "
+        "AMX-BF16 or AVX512-BF16; fp32 on other CPUs)",
+    )
     plan.add_argument("--memory", default="80GiB", help="device memory, e.g. 80GiB")
     plan.add_argument("--reserve", type=float, default=0.1, help="fraction kept free")
     plan.add_argument("--seq-lens", default="1024,8192,32768", help="tokens per sequence")

@@ -1,11 +1,12 @@
 """Starts a serving deployment as processes: one node per role and device, plus the router.
 
 Disaggregated (the default): `--prefill N` prefill-node processes and `--decode M` decode-node
-processes (on a CPU host each with `--threads-per-node` threads), KV moved over shm between CPU
-processes or CUDA IPC between GPUs (`--kv-transport` overrides). Colocated (`--colocated`): one
-`decode_node` process that prefills and decodes. Either way one `router` process, wired over
-ZeroMQ on free loopback ports. The launcher waits until the router's /health answers 200 and
-prints the URL; a process that exits before then stops everything.
+processes (on a CPU host each on its share of the cores: commands/node_threads.py), KV moved
+over shm between CPU processes or CUDA IPC between GPUs (`--kv-transport` overrides).
+Colocated (`--colocated`): one `decode_node` process that prefills and decodes. Either way one
+`router` process, wired over ZeroMQ on free loopback ports. The launcher waits until the
+router's /health answers 200 and prints the URL; a process that exits before then stops
+everything.
 
 Devices, on a GPU host: the GPUs the launcher may use are the entries of its own
 CUDA_VISIBLE_DEVICES (indices or GPU-/MIG- UUIDs, as the operator wrote them), else every GPU.
@@ -56,6 +57,7 @@ from typing import Any
 
 from pdserve.commands.child_logs import ChildLogs
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
+from pdserve.commands.node_threads import plan_node_threads, usable_cores
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.supervisor import Deployment
 from pdserve.wire.cluster_auth import SECRET_ENV
@@ -155,13 +157,26 @@ class NodePlan:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def choose_kv_transport(requested: str) -> str:
-    """`auto`: CUDA IPC between the GPUs of this host, shared memory between CPU processes."""
-    if requested != "auto":
+def choose_kv_transport(requested: str, across_hosts: bool = False) -> str:
+    """`auto`: CUDA IPC between the GPUs of this host, shared memory between CPU processes;
+    `across_hosts` (nodes may join from other hosts, and every node must use one transport):
+    mooncake between CPU processes where it is installed, else zmq. ValueError naming what to
+    install when `mooncake` is asked for and cannot run here."""
+    if requested not in ("auto", "mooncake"):
         return requested
     import torch
 
-    return "cuda_ipc" if torch.cuda.is_available() else "shm"
+    from pdserve.kvtransfer.transports.mooncake_engine import mooncake_missing
+
+    if requested == "mooncake":
+        missing = mooncake_missing()
+        if missing is not None:
+            raise ValueError(f"--kv-transport mooncake: {missing}")
+        return requested
+    on_gpus = torch.cuda.is_available()
+    if across_hosts:
+        return "mooncake" if not on_gpus and mooncake_missing() is None else "zmq"
+    return "cuda_ipc" if on_gpus else "shm"
 
 
 @dataclass(frozen=True)
@@ -200,28 +215,31 @@ def place_on_gpus(num_nodes: int, gpus: list[str], see_every_gpu: bool) -> list[
 
 def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> list[NodePlan]:
     """One process per node; on a GPU host each runs on one GPU (see the module docstring for
-    which and what else it sees), on a CPU host on an equal share of the cores unless
-    `--threads-per-node` says otherwise."""
+    which and what else it sees), on a CPU host on the threads commands/node_threads.py plans
+    (a disjoint share of the cores each, a lone decode node borrowing the rest while no prompt
+    of its is being prefilled) unless `--threads-per-node` says otherwise."""
     from pdserve.node.config import CONFIG_ENV
 
     settings = node_settings(args)
     engine = {**settings["engine"], "model": model}
     node = {**settings["node"], "router_address": router_address}
+    across_hosts = False
     if args.colocated:
         roles = [("colocated", "pdserve.colocated_node")]
     else:
-        node["kv_transport"] = choose_kv_transport(args.kv_transport)
+        from pdserve.wire.cluster_auth import is_loopback
+
+        across_hosts = bool(args.router_listen) and not is_loopback(args.router_listen)
+        node["kv_transport"] = choose_kv_transport(args.kv_transport, across_hosts)
         roles = [("prefill", "pdserve.prefill_node")] * args.prefill
         roles += [("decode", "pdserve.decode_node")] * args.decode
     gpus = launcher_gpus(os.environ, _gpu_count())
     see_every_gpu = node.get("kv_transport") == "cuda_ipc"
     placements = place_on_gpus(len(roles), gpus, see_every_gpu) if gpus else None
-    threads = args.threads_per_node
-    if threads is None and not gpus:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = max(1, (cores or 1) // len(roles))
-    if threads is not None:
-        engine["num_threads"] = threads
+    threads = plan_node_threads(
+        [role for role, _ in roles], usable_cores(), bool(gpus), args.threads_per_node,
+        others_may_join=across_hosts,
+    )
     plans, counts = [], dict.fromkeys(("colocated", "prefill", "decode"), 0)
     for index, (role, module) in enumerate(roles):
         # Unique per deployment on this host: shared-memory segments are named by node id.
@@ -233,6 +251,10 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
             "node": {**node, "node_id": node_id, "listen_address": address},
             "log": settings["log"],
         }
+        if threads[index].num_threads is not None:
+            config["engine"]["num_threads"] = threads[index].num_threads
+        if threads[index].threads_while_prefill_idle is not None:
+            config["node"]["threads_while_prefill_idle"] = threads[index].threads_while_prefill_idle
         env = {}
         if placements is not None:
             placement = placements[index]

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pdserve.wire.config_flags import option
 
 GENERATION_CONFIG_DEFAULT = "vllm"
-KV_TRANSPORTS = ("auto", "shm", "zmq", "cuda_ipc")  # auto: commands/launcher.py
+# auto: commands/launcher.py; the others are kvtransfer's TRANSPORT_NAMES (a test checks), kept
+# here as names because the launcher's flags load before any torch import.
+KV_TRANSPORTS = ("auto", "shm", "cuda_ipc", "zmq", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class LauncherSettings:
     )
     threads_per_node: int | None = option(
         None, flag="--threads-per-node", metavar="N", group="deployment",
-        help="CPU threads of each node on a CPU host (default: an equal share of the cores)",
+        help="CPU threads of each node on a CPU host, nothing borrowed (default: a disjoint "
+        "equal share of the cores, the only decode node borrowing every core while none of its "
+        "prompts is being prefilled: commands/node_threads.py)",
     )
     router_listen: str | None = option(
         None, flag="--router-listen", metavar="ADDR", group="deployment",
@@ -44,7 +48,8 @@ class LauncherSettings:
     )
     kv_transport: str = option(
         "auto", flag="--kv-transport", choices=KV_TRANSPORTS, group="deployment",
-        help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm)",
+        help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm; "
+        "with a --router-listen other hosts reach, mooncake if installed, else zmq)",
     )
     tensor_parallel_size: int = option(
         1, flag="--tensor-parallel-size", aliases=("-tp",), metavar="N", group="deployment",

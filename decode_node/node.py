@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.decode_node.borrowed_threads import BorrowedThreads
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -111,6 +112,9 @@ class DecodeNode(NodeRuntime):
         self._next_deadline = float("inf")  # no stage deadline of `pending` is earlier
         self.preallocation_wait_s = 0.0
         self.transfer_failures = 0
+        self.threads = BorrowedThreads(
+            engine_config.num_threads, config.threads_while_prefill_idle
+        )
 
     def stats_fields(self) -> dict[str, Any]:
         return {
@@ -254,6 +258,9 @@ class DecodeNode(NodeRuntime):
         now = time.monotonic()
         self._expire(now)
         self._reserve_blocks(now)
+        self.threads.update(
+            prefilling=any(p.stage is Stage.TRANSFERRING for p in self.pending.values())
+        )
         for message in self.generation.step():
             self.send(message)
 

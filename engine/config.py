@@ -17,6 +17,9 @@ from pdserve.wire.config_flags import gib_to_bytes, option
 if TYPE_CHECKING:
     import torch
 
+    from pdserve.engine.cpu_features import CpuFeatures
+    from pdserve.engine.dtype_choice import DtypeChoice
+
 # dtype names -> torch's; torch is imported only when a dtype is resolved, so the parsers
 # generated from EngineConfig (wire/config_flags.py) load without it.
 _DTYPES = {
@@ -48,7 +51,8 @@ class EngineConfig:
 
     model: a model folder (config.json + *.safetensors + tokenizer files); None means the
         default model, downloaded on first use.
-    dtype: "auto" (fp32 on CPU; the config's 16-bit dtype or bf16 on CUDA) or a dtype name.
+    dtype: "auto" (on CUDA the config's 16-bit dtype or bf16; on the CPU bf16 where it has
+        AMX-BF16 or AVX512-BF16, else fp32: engine/dtype_choice.py) or a dtype name.
     load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
         drawn from `seed`; the folder needs only config.json, and without tokenizer files the
         engine takes token ids only) (engine/loader.py).
@@ -82,8 +86,8 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto", flag="--dtype", choices=("auto", *_DTYPES),
-        help="weights and activations (default auto: fp32 on the CPU; on CUDA the config's "
-        "16-bit dtype, else bfloat16)",
+        help="weights, activations and KV cache (default auto: on CUDA the config's 16-bit "
+        "dtype, else bfloat16; on the CPU bfloat16 with AMX-BF16 or AVX512-BF16, else float32)",
     )
     load_format: str = option(
         "auto", flag="--load-format", choices=LOAD_FORMATS,
@@ -242,13 +246,17 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_dtype(self, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+    def resolve_dtype(
+        self,
+        device: torch.device,
+        config_dtype: torch.dtype | None,
+        cpu: CpuFeatures | None = None,
+    ) -> DtypeChoice:
+        """The dtype to run in on `device`, and why (engine/dtype_choice.py); `cpu` None
+        detects this machine's features, a test passes others."""
         import torch
 
-        if self.dtype != "auto":
-            return getattr(torch, _DTYPES[self.dtype])
-        if device.type == "cpu":
-            return torch.float32
-        if config_dtype in (torch.float16, torch.bfloat16):
-            return config_dtype
-        return torch.bfloat16
+        from pdserve.engine.dtype_choice import choose_dtype
+
+        requested = None if self.dtype == "auto" else getattr(torch, _DTYPES[self.dtype])
+        return choose_dtype(requested, device, config_dtype, cpu)

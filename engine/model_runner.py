@@ -58,7 +58,9 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device, model_config.config_dtype)
+        dtype_choice = config.resolve_dtype(self.device, model_config.config_dtype)
+        logger.info("dtype %s", dtype_choice)
+        self.dtype = dtype_choice.dtype
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
         if memory_stats is None and self.device.type == "cuda":

@@ -1,7 +1,8 @@
 """Triton kernels for paged attention and KV movement, with pure-torch references.
 
 Each kernel sits beside the wrapper that checks its arguments and launches it: store_kv.py,
-decode_attention.py, prefill_attention.py, block_copy.py. reference.py defines what each
+decode_attention.py, prefill_attention.py, block_copy.py. cpu_decode_attention.py is the
+CPU's decode attention, compiled by numba instead of Triton. reference.py defines what each
 computes; launch.py holds what the wrappers share; tiles.py sizes the attention tiles to the
 device's shared memory. This package imports nothing from the rest of the project.
 """

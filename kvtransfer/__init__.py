@@ -1,4 +1,5 @@
-"""KV transfer from prefill to decode nodes: shm, cuda_ipc and zmq transports over one channel.
+"""KV transfer from prefill to decode nodes: shm, cuda_ipc, zmq and mooncake transports over one
+channel.
 
 See base.py for who calls what and when, strategies.py for who writes the bytes (direct write
 or streamed), ledger.py for completion and the late-write rule.

@@ -21,12 +21,13 @@ landed, so the receiver drops it without failing the sender's transfer).
 Late-write rule (the transport's write strategy, kvtransfer/strategies.py, says which half
 applies). Where the receiver scatters every byte itself (Streamed: zmq), a failed transfer is
 released at once: its I/O thread checks the ledger before each scatter, so nothing lands after.
-Where the sender copies into our memory itself (DirectWrite: shm, cuda_ipc, inprocess), a failed
-transfer that was granted is released only when (a) its sender sends Abandon, which it does
-after its last copy for the transfer has finished and never copies for it again, or
-(b) `release_grace_s` after the deadline. (b) holds because a sender's deadline is never later
-than ours (it is the time it sent Begin plus the seconds left we granted) and it starts no copy
-step after it, and one step is a few MiB, far shorter than the grace. A failed transfer never
+Where the sender copies into our memory itself (DirectWrite: shm, cuda_ipc, mooncake,
+inprocess), a failed transfer that was granted is released only when (a) its sender sends
+Abandon, which it does after its last copy for the transfer has finished and never copies for it
+again, or (b) `release_grace_s` after the deadline (or the strategy's `write_timeout_s`, where
+longer: a network write's bound). (b) holds because a sender's deadline is never later than ours
+(it is the time it sent Begin plus the seconds left we granted) and it starts no copy step
+after it, and one step is a few MiB, far shorter than the grace. A failed transfer never
 granted is released at once: no sender may write it.
 """
 

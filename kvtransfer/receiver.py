@@ -101,7 +101,6 @@ class ChannelReceiver(KVReceiver):
     def register(self, kv_cache: KVCache, model_fingerprint: str) -> KVDescriptor:
         if self._thread is not None:
             raise RuntimeError("a KV receiver registers one buffer, once")
-        handle = self.transport.export(kv_cache)
         self._kv_cache = kv_cache
         self._ledger = TransferLedger(
             kv_cache.num_blocks, kv_cache.spec.num_layers, self.transport.strategy,
@@ -117,6 +116,11 @@ class ChannelReceiver(KVReceiver):
             raise RuntimeError(f"KV receiver could not bind {self.config.bind_address}") from (
                 self._start_error
             )
+        try:
+            handle = self.transport.export(kv_cache, endpoint[0])
+        except BaseException:
+            self.close()
+            raise
         self._descriptor = KVDescriptor.for_cache(
             self.transport.name, self.config.node_id, endpoint[0], kv_cache.spec,
             kv_cache.num_blocks, model_fingerprint, handle,

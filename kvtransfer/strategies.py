@@ -4,9 +4,10 @@ Each transport names its strategy once (`ReceiverTransport.strategy`, `SenderTra
 in kvtransfer/transports/base.py); the sender, the receiver and the ledger ask the strategy what
 to do and never which transport they run.
 
-DirectWrite (shm, cuda_ipc, inprocess): the sender copies each step straight into the decode
-  node's buffer, which it has mapped, and reports each finished write with one Written message.
-  No byte crosses the channel, so nothing is acknowledged and the window never fills.
+DirectWrite (shm, cuda_ipc, mooncake, inprocess): the sender copies each step straight into the
+  decode node's buffer, which it has mapped (or registered with Mooncake), and reports each
+  finished write with one Written message. No byte crosses the channel, so nothing is
+  acknowledged and the window never fills.
 Streamed (zmq): the sender packs each step into a Data message; the receiver's I/O thread checks
   it against the ledger, scatters it into the blocks and acknowledges it (Ack); unacknowledged
   bytes are bounded by the sender's window (SenderConfig.max_inflight_bytes).
@@ -62,9 +63,12 @@ class WriteStrategy(abc.ABC):
 @dataclass(frozen=True)
 class DirectWrite(WriteStrategy):
     """The sender writes into the decode node's memory itself, so a failed transfer's blocks
-    stay held until the sender abandons it or `release_grace_s` after its deadline."""
+    stay held until the sender abandons it or `release_grace_s` after its deadline, or
+    `write_timeout_s` after it where that is longer: how long a step's copy may still be landing
+    after it started (a network write's timeout; 0 for a local copy)."""
 
     write_message: ClassVar[type[Written]] = Written
+    write_timeout_s: float = 0.0
 
     def step_message(
         self, transfer_id: str, step: WriteStep, dtype: str, next_seq: Callable[[], int]
@@ -84,7 +88,7 @@ class DirectWrite(WriteStrategy):
         return Written(transfer_id, next_seq(), dst_block_ids, 0, num_layers)
 
     def release_after_failure(self, deadline: float, release_grace_s: float) -> float:
-        return deadline + release_grace_s
+        return deadline + max(release_grace_s, self.write_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.kvtransfer import TRANSPORT_NAMES
+from pdserve.kvtransfer.transports.mooncake_engine import mooncake_missing
 from pdserve.node.config import CONFIG_ENV, NodeConfig
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import add_flags, build
@@ -91,6 +92,8 @@ def node_config(
         raise ValueError(
             f"kv_transport {config.kv_transport!r} is unknown; valid: {', '.join(TRANSPORT_NAMES)}"
         )
+    if config.kv_transport == "mooncake" and (missing := mooncake_missing()) is not None:
+        raise ValueError(f"--kv-transport mooncake: {missing}")
     auth.check_addresses(
         [
             ("--listen", config.listen_address),

@@ -48,7 +48,7 @@ class NodeConfig:
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth.none)
     kv_transport: str = option(
         "shm", flag="--kv-transport", launcher_sets=True, roles=KV_SENDERS,
-        help="how KV moves between prefill and decode nodes: shm, zmq or cuda_ipc",
+        help="how KV moves between prefill and decode nodes: shm, zmq, cuda_ipc or mooncake",
     )
     kv_listen_address: str = option(
         "tcp://127.0.0.1:0", flag="--kv-listen", launcher_sets=True, roles=("decode",),
@@ -64,6 +64,13 @@ class NodeConfig:
         help="how long a request may wait on a decode node for free KV blocks, then for its "
         "prefill node to start on it",
     )
+    threads_while_prefill_idle: int | None = option(
+        None, flag="--threads-while-prefill-idle", launcher_sets=True, roles=("decode",),
+        metavar="N",
+        help="CPU threads of the decode node while none of its prompts is being prefilled, "
+        "its --num-threads while one is (decode_node/borrowed_threads.py; default: "
+        "--num-threads throughout)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "stall_limit_s", "transfer_timeout_s", "queue_timeout_s"):
@@ -72,6 +79,9 @@ class NodeConfig:
                 raise ValueError(f"{name} is {seconds!r} s; expected a positive, finite time")
         if not self.node_id:
             raise ValueError("node_id must not be empty")
+        threads = self.threads_while_prefill_idle
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads_while_prefill_idle is {threads!r}; expected 1 or more")
 
     @property
     def reachable_address(self) -> str:

@@ -32,6 +32,7 @@ PROCESS_MODULES = (
     "kvtransfer/test_cuda_ipc.py",
     "kvtransfer/test_failures.py",
     "kvtransfer/test_inprocess.py",
+    "kvtransfer/test_mooncake.py",
     "kvtransfer/test_processes.py",
     "nodes/test_colocated_node.py",
     "wire/test_cluster_secret.py",
@@ -39,6 +40,7 @@ PROCESS_MODULES = (
 SLOW_MODULES = (
     "cli/test_chat_command.py",
     "engine/test_admission.py",
+    "engine/test_bf16_cpu.py",
     "engine/test_disaggregated_engine.py",
     "engine/test_greedy_parity.py",
     "engine/test_hostile_requests.py",
@@ -100,10 +102,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_llama_dir):
-    """One engine shared by the behaviour tests; each test must leave every block free."""
+    """One engine shared by the behaviour tests; each test must leave every block free. fp32
+    whatever the CPU: tests compare its greedy tokens with transformers' fp32 ones and with
+    other engines' (tests/fault_cluster.py runs its nodes in fp32 too)."""
     from pdserve.engine import LLM
 
-    return LLM(str(tiny_llama_dir))
+    return LLM(str(tiny_llama_dir), dtype="float32")
 
 
 @pytest.fixture
@@ -122,7 +126,8 @@ def pdserve_process(default_model_dir, tmp_path_factory):
 
     log_path = tmp_path_factory.mktemp("pdserve-serve") / "serve.log"
     server = ServeProcess(
-        ["--model", str(default_model_dir), "--kv-cache-memory", str(256 << 20)],
+        ["--model", str(default_model_dir), "--dtype", "float32", "--kv-cache-memory",
+         str(256 << 20)],
         ready_timeout_s=240,
         log_path=log_path,
     )

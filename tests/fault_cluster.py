@@ -52,9 +52,10 @@ class Cluster:
         self.processes: dict[str, subprocess.Popen] = {}
         self._logs: list = []
         router_address = f"tcp://127.0.0.1:{free_port()}"
+        # fp32, as conftest's tiny_llm: the fault tests compare texts with its greedy ones.
         common = [
             "--model", str(model_dir), "--router", router_address,
-            "--kv-cache-memory", str(32 << 20), *node_flags,
+            "--kv-cache-memory", str(32 << 20), "--dtype", "float32", *node_flags,
         ]
         if colocated:
             roles = [("colocated", "colocated_node", [])]

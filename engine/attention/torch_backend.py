@@ -2,7 +2,9 @@
 
 Keys and values are stored by slot into head-major blocks ([blocks, kv_heads, block_size, dim]).
 
-Decode tokens (query length 1) come first in the flat batch and are attended together, block
+Decode tokens (query length 1) come first in the flat batch. On the CPU they are attended by
+the compiled kernel of engine/attention/cpu_decode.py, which reads each block in place. Where
+it cannot run (not a CPU, numba missing, an fp16 cache), they are attended together, block
 by block, with no padding: every block of every decoding sequence is gathered once (whole
 blocks, by `index_select`, the fast copy), each block is scored against its sequence's query
 heads - the query heads sharing a KV head form one small matrix, so each key is read once - and
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
+from pdserve.engine.attention.cpu_decode import CpuDecodeKernel, PagedDecode
 from pdserve.engine.batch import FlatBatch
 
 
@@ -43,10 +46,9 @@ class PrefillSpan:
 
 @dataclass
 class TorchAttentionMetadata:
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
+    cache_rows: torch.Tensor  # [tokens * kv_heads]: each (token, KV head)'s row in a layer's cache
     num_decodes: int
-    decode: DecodeBlocks | None
+    decode: DecodeBlocks | PagedDecode | None
     prefills: list[PrefillSpan]
 
 
@@ -62,12 +64,21 @@ def allowed_keys(
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, sliding_window) -> None:
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, sliding_window)
+        # The compiled in-place decode on the CPU; None: the gather path (`_decode`).
+        self.cpu_decode = CpuDecodeKernel.for_cache(kv_cache, num_heads, self.scale, sliding_window)
+
     def prepare(self, batch: FlatBatch) -> TorchAttentionMetadata:
         device = batch.input_ids.device
         block_size = self.kv_cache.spec.block_size
         num_decodes = count_leading_decodes(batch)
         block_counts = [-(-n // block_size) for n in batch.seq_lens]
-        decode = self._decode_blocks(batch, num_decodes, block_counts) if num_decodes else None
+        decode = None
+        if num_decodes and self.cpu_decode is not None:
+            decode = self.cpu_decode.prepare(batch, num_decodes)
+        elif num_decodes:
+            decode = self._decode_blocks(batch, num_decodes, block_counts)
 
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
@@ -91,12 +102,20 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             )
         return TorchAttentionMetadata(
-            slot_blocks=torch.div(batch.slot_mapping, block_size, rounding_mode="floor"),
-            slot_offsets=batch.slot_mapping % block_size,
+            cache_rows=self._cache_rows(batch.slot_mapping),
             num_decodes=num_decodes,
             decode=decode,
             prefills=prefills,
         )
+
+    def _cache_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's key (or value) cache viewed as [blocks * kv_heads * block_size,
+        head_dim] where each token's key (value) heads go: one `index_copy_` stores a layer."""
+        block_size = self.kv_cache.spec.block_size
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        heads = torch.arange(self.num_kv_heads, device=slot_mapping.device)
+        first_rows = blocks * (self.num_kv_heads * block_size) + slot_mapping % block_size
+        return (first_rows[:, None] + heads * block_size).flatten()
 
     def _decode_blocks(
         self, batch: FlatBatch, num_decodes: int, block_counts: list[int]
@@ -126,12 +145,16 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         key_cache = self.kv_cache.key_cache(layer)
         value_cache = self.kv_cache.value_cache(layer)
-        key_cache[metadata.slot_blocks, :, metadata.slot_offsets] = k
-        value_cache[metadata.slot_blocks, :, metadata.slot_offsets] = v
+        rows, dim = metadata.cache_rows, self.head_dim
+        key_cache.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim))
+        value_cache.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim))
 
         out = torch.empty_like(q)
         decode = metadata.decode
-        if decode is not None:
+        if isinstance(decode, PagedDecode):
+            n = decode.num_seqs
+            self.cpu_decode.attend(q[:n], key_cache, value_cache, decode, out[:n])
+        elif decode is not None:
             out[: decode.num_seqs] = self._decode(
                 q[: decode.num_seqs], key_cache, value_cache, decode
             )
@@ -143,11 +166,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, key_cache, value_cache, decode: DecodeBlocks) -> torch.Tensor:
         num_seqs, heads, dim = decode.num_seqs, self.num_kv_heads, self.head_dim
-        keys = key_cache.index_select(0, decode.block_ids)
-        values = value_cache.index_select(0, decode.block_ids)
-        grouped_q = (q * self.scale).view(num_seqs, heads, -1, dim)
+        # In fp32 whatever the cache holds, rounded where SDPA's CPU kernel rounds 16-bit
+        # attention (the scale after q.k, the softmax weights to q's dtype before they weight
+        # the values): in bf16 that keeps greedy tokens on transformers' up to near-ties.
+        keys = key_cache.index_select(0, decode.block_ids).float()
+        values = value_cache.index_select(0, decode.block_ids).float()
+        grouped_q = q.float().view(num_seqs, heads, -1, dim)
         block_q = grouped_q.index_select(0, decode.seq_index)
-        scores = torch.matmul(block_q, keys.transpose(-1, -2)) + decode.bias
+        scores = torch.matmul(block_q, keys.transpose(-1, -2)).mul_(self.scale) + decode.bias
         block_max = scores.amax(dim=-1)
         seq_max = torch.full_like(grouped_q[..., 0], float("-inf")).scatter_reduce_(
             0, decode.seq_index[:, None, None].expand_as(block_max), block_max, "amax"
@@ -155,9 +181,10 @@ class TorchAttentionBackend(AttentionBackend):
         weights = torch.exp(scores - seq_max.index_select(0, decode.seq_index).unsqueeze(-1))
         denominator = torch.zeros_like(seq_max).index_add_(0, decode.seq_index, weights.sum(-1))
         out = torch.zeros_like(grouped_q).index_add_(
-            0, decode.seq_index, torch.matmul(weights, values)
+            0, decode.seq_index, torch.matmul(weights.to(q.dtype).float(), values)
         )
-        return (out / denominator.unsqueeze(-1)).view(num_seqs, self.num_heads, dim)
+        out = out / denominator.unsqueeze(-1)
+        return out.to(q.dtype).view(num_seqs, self.num_heads, dim)
 
     def _prefill(self, q, k, v, key_cache, value_cache, span: PrefillSpan) -> torch.Tensor:
         query = q[span.query_start:span.query_end].transpose(0, 1).unsqueeze(0)

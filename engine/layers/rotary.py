@@ -29,13 +29,13 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
     return ROPE_INIT_FUNCTIONS[rope_type](config, None)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Applies rope to flat [T, heads, head_dim] queries and keys at arbitrary positions."""
+    """Applies rope to flat [T, heads, head_dim] queries and keys at arbitrary positions.
+
+    `rotate_half(x) * sin` is computed as `roll(x, head_dim / 2) * signed_sin`, where signed_sin
+    is sin with its first half negated: the same products bit for bit (negating one factor is
+    exact), one roll in place of two slices, a negation and a concatenation.
+    """
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -43,17 +43,30 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
+        signed_sin = emb.sin() * scaling
+        signed_sin[:, : head_dim // 2].neg_()
         self.register_buffer("cos_table", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_table", emb.sin() * scaling, persistent=False)
+        self.register_buffer("signed_sin_table", signed_sin, persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token [T, 1, head_dim] tables, computed once per step and shared by all layers."""
+        """Per-token [T, 1, head_dim] cos and signed sin, computed once per step and shared by
+        all layers."""
         cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        signed_sin = self.signed_sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, signed_sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return (x * cos).addcmul_(rotate_half(x), sin)
+    def apply(
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, into `out` (x itself is allowed) when given, rounded
+        after each op as transformers rounds it: `addcmul_` fuses the last two (one rounding,
+        an FMA), which changes a quarter of fp32 and bf16 results by an ulp, and in bf16 that
+        flips greedy tokens."""
+        rotated = x.roll(x.shape[-1] // 2, -1).mul_(signed_sin)
+        return torch.add(x * cos, rotated, out=out)

@@ -49,7 +49,7 @@ class Attention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype) if config.qk_norm else None
-        self.qk_size = q_size + kv_size
+        self.num_qk_heads = self.num_heads + self.num_kv_heads
 
     def forward(
         self,
@@ -59,15 +59,20 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         metadata: object,
     ) -> torch.Tensor:
+        """Rope is written over q and k inside the fused projection's output, so q, k and v
+        are views of that one tensor (a Qwen3 layer's normed q and k are its only copy)."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        qk = qkv[:, : self.qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qk = qkv[:, : self.num_qk_heads]
         if self.q_norm is not None:
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+            heads = self.num_heads
+            normed = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+            RotaryEmbedding.apply(normed, cos, sin, out=qk)
+        else:
+            RotaryEmbedding.apply(qk, cos, sin, out=qk)
+        q = qkv[:, : self.num_heads]
+        k = qkv[:, self.num_heads : self.num_qk_heads]
+        v = qkv[:, self.num_qk_heads :]
         out = backend.forward(self.layer_index, q, k, v, metadata)
         return self.o_proj(out.view(num_tokens, -1))
 
@@ -84,8 +89,9 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        size = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :size], inplace=True).mul_(gate_up[:, size:]))
 
 
 class DecoderLayer(nn.Module):
@@ -99,8 +105,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, hidden, cos, sin, backend, metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, backend, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """Adds both residuals into `hidden` in place (the model's own activation buffer)."""
+        hidden.add_(self.self_attn(self.input_layernorm(hidden), cos, sin, backend, metadata))
+        return hidden.add_(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -8,8 +8,9 @@ Who calls what, and when:
 
 ReceiverTransport (decode side)
   allocate_kv_cache   the receiver's owner, once at start-up: the buffer the engine runs on.
-  export              register(), once: the transport part of the descriptor (segment name,
-                      CUDA IPC handle); {} when nothing but the channel address is needed.
+  export              register(), once, after the channel is bound (given the address it
+                      advertises): the transport part of the descriptor (segment name, CUDA IPC
+                      handle, Mooncake session); {} when nothing but the channel is needed.
   apply               the receiver's I/O thread, for each Data message whose header the ledger
                       accepted: scatter the frame into the destination blocks. Called only for a
                       Streamed transport (a DirectWrite one's Data messages are rejected).
@@ -28,10 +29,10 @@ SenderTransport (prefill side)
   close               close(), once.
 
 Each transport names its write strategy (kvtransfer/strategies.py) in `strategy`, both halves
-the same: DirectWrite transports (shm, cuda_ipc, inprocess) let the sender copy into the decode
-node's memory itself, and the ledger's late-write rule then holds failed transfers' blocks until
-the sender abandons them or the grace after the deadline has passed; the Streamed transport (zmq)
-sends the bytes for the receiver to write.
+the same: DirectWrite transports (shm, cuda_ipc, mooncake, inprocess) let the sender copy into
+the decode node's memory itself, and the ledger's late-write rule then holds failed transfers'
+blocks until the sender abandons them or the grace after the deadline has passed; the Streamed
+transport (zmq) sends the bytes for the receiver to write.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class ReceiverTransport(abc.ABC):
         return KVCache(spec, num_blocks, device)
 
     @abc.abstractmethod
-    def export(self, kv_cache: KVCache) -> dict[str, Any]: ...
+    def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]: ...
 
     def apply(self, message: Data, frame: memoryview, kv_cache: KVCache) -> None:
         raise NotImplementedError(f"the {self.name} transport takes no data frames")

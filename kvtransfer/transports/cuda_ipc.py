@@ -100,7 +100,7 @@ class CudaIpcReceiverTransport(ReceiverTransport):
         check_shareable_allocator()
         return KVCache(spec, num_blocks, device)
 
-    def export(self, kv_cache: KVCache) -> dict[str, Any]:
+    def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]:
         buffer = kv_cache.buffer
         if buffer.device.type != "cuda" or not buffer.is_contiguous():
             raise ValueError("the cuda_ipc KV transport shares a contiguous CUDA buffer")

@@ -36,7 +36,7 @@ class InProcessReceiverTransport(ReceiverTransport):
         super().__init__(node_id)
         self._buffer: torch.Tensor | None = None
 
-    def export(self, kv_cache: KVCache) -> dict[str, Any]:
+    def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]:
         buffer = kv_cache.buffer
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
             raise ValueError(

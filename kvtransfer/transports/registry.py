@@ -2,7 +2,9 @@
 
 `TRANSPORTS` maps each name to its two factories; `TRANSPORT_NAMES` lists the transports a
 serving node may use. `inprocess` is registered too, as the test double (both halves in one
-process), but is no serving transport; no command line offers it.
+process), but is no serving transport; no command line offers it. `mooncake` is registered
+whether or not its package is installed (kvtransfer/transports/mooncake_engine.py): building
+either half without it fails with what to install.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from pdserve.kvtransfer.transports.cuda_ipc import CudaIpcReceiverTransport, Cud
 from pdserve.kvtransfer.transports.inprocess import (
     InProcessReceiverTransport,
     InProcessSenderTransport,
+)
+from pdserve.kvtransfer.transports.mooncake import (
+    MooncakeReceiverTransport,
+    MooncakeSenderTransport,
 )
 from pdserve.kvtransfer.transports.shm import ShmReceiverTransport, ShmSenderTransport
 from pdserve.kvtransfer.transports.zmq_tcp import ZmqReceiverTransport, ZmqSenderTransport
@@ -37,6 +43,9 @@ TRANSPORTS: Mapping[str, TransportEntry] = MappingProxyType({
         CudaIpcReceiverTransport, lambda staging_bytes: CudaIpcSenderTransport()
     ),
     "zmq": TransportEntry(ZmqReceiverTransport, ZmqSenderTransport),
+    "mooncake": TransportEntry(
+        MooncakeReceiverTransport, lambda staging_bytes: MooncakeSenderTransport()
+    ),
     "inprocess": TransportEntry(
         InProcessReceiverTransport, lambda staging_bytes: InProcessSenderTransport(),
         serving=False,

@@ -40,7 +40,7 @@ class ShmReceiverTransport(ReceiverTransport):
         self._segment = SharedSegment.create(self.node_id, num_blocks * spec.bytes_per_block)
         return KVCache.over_buffer(spec, self._segment.payload)
 
-    def export(self, kv_cache: KVCache) -> dict[str, Any]:
+    def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]:
         segment = self._segment
         if segment is None or kv_cache.buffer.data_ptr() != segment.payload.data_ptr():
             raise ValueError("the shm KV transport registers only the cache it allocated")

@@ -57,7 +57,7 @@ class ZmqReceiverTransport(ReceiverTransport):
         super().__init__(node_id)
         self._stream: torch.cuda.Stream | None = None
 
-    def export(self, kv_cache: KVCache) -> dict[str, Any]:
+    def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]:
         if kv_cache.buffer.device.type == "cpu":
             keep_freed_memory_for_reuse()  # received messages are malloc()ed: keep them warm
         else:

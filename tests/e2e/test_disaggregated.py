@@ -1,9 +1,10 @@
 """End to end through the router, real processes: disaggregated serving (prefill nodes and
 decode nodes, KV over shared memory) gives the same greedy text as colocated serving, for 32
 concurrent requests with shared prefixes and different lengths under chunked prefill, with
-1P1D and 2P2D (KV over shm and zmq); every node's KV blocks are all free afterwards. Each
-deployment runs with the cluster secret `pdserve serve` makes for its processes (CURVE on every
-ZeroMQ link, the KV channel included); a node joining from outside is given the secret."""
+1P1D and 2P2D (KV over shm; 1P1D also over zmq and mooncake); every node's KV blocks are all
+free afterwards. Each deployment runs with the cluster secret `pdserve serve` makes for its
+processes (CURVE on every ZeroMQ link, the KV channel included); a node joining from outside is
+given the secret."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.commands.launcher import free_port
 from pdserve.commands.serve_process import ServeProcess
 from tests.fault_checks import assert_no_leaked_blocks, live_nodes, wait_until
+from tests.mooncake_env import require_mooncake
 
-SERVE_FLAGS = ["--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20)]
+# fp32: the greedy texts compared across deployments must not hinge on bf16 near-ties.
+SERVE_FLAGS = [
+    "--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20), "--dtype", "float32"
+]
 
 
 class Server(ServeProcess):
@@ -90,9 +95,13 @@ def colocated_answers(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    "layout", [("1", "1", "shm"), ("2", "2", "shm"), ("1", "1", "zmq")], ids=["1P1D", "2P2D", "zmq"]
+    "layout",
+    [("1", "1", "shm"), ("2", "2", "shm"), ("1", "1", "zmq"), ("1", "1", "mooncake")],
+    ids=["1P1D", "2P2D", "zmq", "mooncake"],
 )
 def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answers, layout):
+    if layout[2] == "mooncake":
+        require_mooncake()
     server = Server(
         tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1], "--kv-transport", layout[2]
     )
@@ -215,6 +224,8 @@ def test_a_prefill_node_started_alone_joins_the_router_and_serves(tiny_llama_dir
             router_address,
             "--kv-cache-memory",
             str(32 << 20),
+            "--dtype",
+            "float32",
         ],
         env={**os.environ, "PDSERVE_CLUSTER_SECRET": secret},
     )

@@ -84,8 +84,8 @@ def test_predicted_admission_runs_more_at_once_and_preemption_covers_the_misses(
 def test_greedy_tokens_do_not_depend_on_the_admission_policy(tiny_llama_dir, admission):
     prompts = [[(7 * i + j) % 400 + 3 for j in range(20 + i)] for i in range(10)]
     params = SamplingParams(temperature=0, max_tokens=30, min_tokens=30)
-    reference = LLM(str(tiny_llama_dir)).generate(prompts, params)
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, admission=admission)
+    reference = LLM(str(tiny_llama_dir), dtype="float32").generate(prompts, params)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=12, admission=admission)
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
     llm.engine.check_integrity()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.default_model
 
 @pytest.fixture(scope="module")
 def default_llm(default_model_dir):
-    return LLM(str(default_model_dir))
+    return LLM(str(default_model_dir), dtype="float32")
 
 
 def test_default_model_answers_the_capital_of_france(default_llm):

@@ -73,10 +73,12 @@ def test_disaggregated_tokens_equal_colocated_tokens(tiny_llama_dir, prompts, pa
         SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else i})
         for i in range(len(prompts))
     ]
-    colocated = LLM(str(tiny_llama_dir))
+    colocated = LLM(str(tiny_llama_dir), dtype="float32")
     expected = [o.token_ids for o in colocated.generate(prompts, params_list)]
-    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=48))
-    decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    prefill = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=48)
+    )
+    decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     tokens, writes = disaggregated_generate(prefill, decode, prompts, params_list)
     assert tokens == expected
     chunked = [rid for rid in {w[0] for w in writes} if sum(1 for w in writes if w[0] == rid) > 1]
@@ -86,7 +88,7 @@ def test_disaggregated_tokens_equal_colocated_tokens(tiny_llama_dir, prompts, pa
 
 
 def test_reserved_blocks_return_when_released(tiny_llama_dir):
-    decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     before = decode.block_manager.num_free_blocks
     reserved = decode.reserve_blocks(100)
     assert len(reserved) == 7 and decode.block_manager.num_free_blocks == before - 7
@@ -100,10 +102,13 @@ def test_a_preempted_disaggregated_request_recomputes_locally_with_identical_tok
 ):
     params = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
     params_list = [params] * len(prompts)
-    expected = [o.token_ids for o in LLM(str(tiny_llama_dir)).generate(prompts, params_list)]
-    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    colocated = LLM(str(tiny_llama_dir), dtype="float32")
+    expected = [o.token_ids for o in colocated.generate(prompts, params_list)]
+    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     longest = -(-(max(len(p) for p in prompts) + 40) // 16)
-    decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=longest + 8))
+    decode = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=longest + 8)
+    )
     tokens, _ = disaggregated_generate(prefill, decode, prompts[:3] + prompts[-1:], params_list)
     assert tokens == expected[:3] + expected[-1:]
     assert decode.scheduler.num_preemptions > 0

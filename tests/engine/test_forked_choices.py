@@ -52,7 +52,7 @@ def assert_all_free(engine: LLMEngine) -> None:
 
 @pytest.fixture
 def engine(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
     yield engine
     assert_all_free(engine)
 
@@ -97,7 +97,9 @@ def test_a_prompt_of_whole_blocks_forks_without_copies(engine):
 def test_preempted_choices_resume_with_identical_tokens(tiny_llama_dir, mode):
     params = dataclasses.replace(SEEDED, max_tokens=40, min_tokens=40)
     prompts = [prompt_of(29, seed=s) for s in range(3)]
-    reference = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
+    reference = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128)
+    )
     expected: dict[str, list[int]] = {}
     for p, prompt in enumerate(prompts):
         expected |= lone_tokens(reference, prompt, choices_of(params, 3, f"p{p}c"))
@@ -105,7 +107,7 @@ def test_preempted_choices_resume_with_identical_tokens(tiny_llama_dir, mode):
 
     engine = LLMEngine(
         EngineConfig(
-            model=str(tiny_llama_dir), num_kv_blocks=16, preemption_mode=mode,
+            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, preemption_mode=mode,
             max_num_batched_tokens=64,
         )
     )
@@ -165,7 +167,9 @@ def test_a_choice_finishing_early_frees_its_blocks_alone(engine):
 
 
 def test_choices_count_against_max_num_seqs(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_num_seqs=4))
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    )
     with pytest.raises(ValueError, match="max_num_seqs"):
         engine.add_request("big", prompt_of(9), GREEDY, choices=choices_of(GREEDY, 5))
     engine.add_request("a", prompt_of(9), GREEDY, choices=choices_of(GREEDY, 3, "a"))

@@ -5,6 +5,9 @@ under chunked prefill (mixed steps), preemption by recompute, and other block si
 families whose KV layouts differ most (one KV head with tied, llama3-scaled rope; Qwen3's
 q/k norms with a head size of its own): those variants exercise the scheduler and the paged
 cache, which do not depend on the family, so repeating them on all five bought no coverage.
+
+Every engine here runs in fp32, whatever `dtype="auto"` picks on this CPU: fp32 is the
+token-exact gate. bf16 is held to bounds instead (tests/engine/test_bf16_cpu.py).
 """
 
 from __future__ import annotations
@@ -66,13 +69,13 @@ def generate_and_check_clean(llm: LLM, prompts, params=GREEDY):
 @pytest.mark.parametrize("family", FAMILIES, indirect=True)
 def test_greedy_equals_transformers(family):
     model_dir, prompts, expected = family
-    assert generate_and_check_clean(LLM(model_dir), prompts) == expected
+    assert generate_and_check_clean(LLM(model_dir, dtype="float32"), prompts) == expected
 
 
 @pytest.mark.parametrize("family", VARIANT_FAMILIES, indirect=True)
 def test_chunked_prefill_and_mixed_steps_keep_greedy_tokens(family):
     model_dir, prompts, expected = family
-    llm = LLM(model_dir, max_num_batched_tokens=32)
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=32)
     assert generate_and_check_clean(llm, prompts) == expected
 
 
@@ -80,7 +83,9 @@ def test_chunked_prefill_and_mixed_steps_keep_greedy_tokens(family):
 def test_preempted_requests_resume_with_identical_tokens(family):
     model_dir, prompts, expected = family
     longest_blocks = -(-(max(PROMPT_LENGTHS) + NEW_TOKENS) // 16)
-    llm = LLM(model_dir, num_kv_blocks=longest_blocks + 4, max_num_batched_tokens=64)
+    llm = LLM(
+        model_dir, dtype="float32", num_kv_blocks=longest_blocks + 4, max_num_batched_tokens=64
+    )
     assert generate_and_check_clean(llm, prompts) == expected
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -89,14 +94,14 @@ def test_preempted_requests_resume_with_identical_tokens(family):
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_block_sizes_keep_greedy_tokens(family, block_size):
     model_dir, prompts, expected = family
-    llm = LLM(model_dir, block_size=block_size, max_num_batched_tokens=48)
+    llm = LLM(model_dir, dtype="float32", block_size=block_size, max_num_batched_tokens=48)
     assert generate_and_check_clean(llm, prompts) == expected
 
 
 @pytest.mark.parametrize("family", VARIANT_FAMILIES, indirect=True)
 def test_prompts_as_text_match_their_token_ids(family):
     model_dir, _, _ = family
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, dtype="float32")
     text = "héllo wörld, the quick brown fox"
     by_text = llm.generate([text], SamplingParams(temperature=0, max_tokens=8))[0]
     by_ids = llm.generate([llm.tokenizer.encode(text)], SamplingParams(temperature=0, max_tokens=8))

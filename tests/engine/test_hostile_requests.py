@@ -207,7 +207,7 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
 
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     node = ColocatedNode(
-        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64),
+        engine_config=EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64),
         config=NodeConfig(
             node_id="node-iso",
             listen_address=listen,
@@ -262,7 +262,7 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.prefill_node.prefill_engine import PrefillEngine
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
     engine.runner.sampler = PoisonedSampler(engine.runner.sampler, "poisoned")
     written: dict[str, list[int]] = {}
     prefill = PrefillEngine(engine)

@@ -35,7 +35,7 @@ def check_everything_returned(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     outputs = llm.generate(pressure_prompts(), GREEDY)
     assert llm.engine.scheduler.num_preemptions == 0
     return [o.token_ids for o in outputs]
@@ -48,6 +48,7 @@ def test_greedy_tokens_are_identical_whatever_cures_the_preemption(
 ):
     llm = LLM(
         str(tiny_llama_dir),
+        dtype="float32",
         num_kv_blocks=14,
         max_num_batched_tokens=budget,
         preemption_mode=mode,
@@ -71,11 +72,15 @@ def test_greedy_tokens_are_identical_whatever_cures_the_preemption(
 def test_swap_falls_back_to_recompute_when_the_swap_space_is_full(
     tiny_llama_dir, reference_tokens
 ):
-    none = LLM(str(tiny_llama_dir), num_kv_blocks=14, preemption_mode="swap", swap_space=1)
+    none = LLM(
+        str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, preemption_mode="swap",
+        swap_space=1,
+    )
     assert none.engine.swap_space is None
     bytes_per_block = none.engine.runner.kv_cache.spec.bytes_per_block
     small = LLM(
         str(tiny_llama_dir),
+        dtype="float32",
         num_kv_blocks=14,
         preemption_mode="swap",
         swap_space=3 * bytes_per_block,
@@ -88,7 +93,7 @@ def test_swap_falls_back_to_recompute_when_the_swap_space_is_full(
 
 
 def test_aborting_a_swapped_out_request_frees_its_host_blocks(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=14, preemption_mode="swap")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, preemption_mode="swap")
     engine = llm.engine
     for index, prompt in enumerate(pressure_prompts()):
         engine.add_request(f"r{index}", prompt, GREEDY)

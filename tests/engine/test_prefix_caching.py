@@ -112,7 +112,7 @@ def check_clean(llm: LLM) -> None:
 @pytest.fixture(scope="module")
 def cache_off_tokens(tiny_llama_dir):
     base, variants = shared_prefix_prompts()
-    llm = LLM(str(tiny_llama_dir), enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False)
     outputs = llm.generate([base, *variants, base], GREEDY)
     check_clean(llm)
     return [o.token_ids for o in outputs]
@@ -120,7 +120,7 @@ def cache_off_tokens(tiny_llama_dir):
 
 def test_greedy_tokens_with_the_cache_equal_tokens_without_it(tiny_llama_dir, cache_off_tokens):
     base, variants = shared_prefix_prompts()
-    llm = LLM(str(tiny_llama_dir), prefix_cache_min_blocks=1)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", prefix_cache_min_blocks=1)
     first = llm.generate([base], GREEDY)
     rest = llm.generate([*variants, base], GREEDY)
     assert [o.token_ids for o in first + rest] == cache_off_tokens
@@ -132,7 +132,8 @@ def test_greedy_tokens_with_the_cache_equal_tokens_without_it(tiny_llama_dir, ca
 def test_greedy_tokens_hold_when_the_cache_evicts_mid_run(tiny_llama_dir, cache_off_tokens):
     base, variants = shared_prefix_prompts()
     llm = LLM(
-        str(tiny_llama_dir), num_kv_blocks=24, max_num_batched_tokens=64, prefix_cache_min_blocks=1
+        str(tiny_llama_dir), dtype="float32", num_kv_blocks=24, max_num_batched_tokens=64,
+        prefix_cache_min_blocks=1,
     )
     first = llm.generate([base], GREEDY)
     rest = llm.generate([*variants, base], GREEDY)
@@ -143,7 +144,7 @@ def test_greedy_tokens_hold_when_the_cache_evicts_mid_run(tiny_llama_dir, cache_
 
 
 def test_a_second_chat_turn_reuses_the_first_turns_generated_tokens(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     rng = random.Random(3)
     prompt = [rng.randrange(3, 500) for _ in range(50)]
     first = llm.generate([prompt], GREEDY)[0]

@@ -177,7 +177,7 @@ def test_preempted_constrained_requests_resume_with_identical_tokens(
     long_prompts = [[rng.randrange(3, 259) for _ in range(60)] for _ in range(6)]
     batch = [params(SPECS["json_schema"], None if i % 2 else i) for i in range(6)]
     expected = clean_tiny_llm.generate(long_prompts, batch)
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, preemption_mode=mode)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, preemption_mode=mode)
     outputs = llm.generate(long_prompts, batch)
     assert llm.engine.scheduler.num_preemptions_by_mode[mode] > 0
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
@@ -224,8 +224,10 @@ def test_split_prefill_and_decode_give_the_colocated_tokens(
     params_list = [params(spec, seed) for spec in SPECS.values()] + [params(None, seed, 20)]
     batch_prompts = prompts[: len(params_list)]
     expected = clean_tiny_llm.generate(batch_prompts, params_list)
-    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_num_batched_tokens=16))
-    decode_engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    prefill = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=16)
+    )
+    decode_engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     tokens, reasons = split_generate(prefill, decode_engine, batch_prompts, params_list)
     assert tokens == [o.token_ids for o in expected]
     assert reasons == [o.finish_reason for o in expected]
@@ -241,8 +243,8 @@ def test_a_first_token_that_completes_the_grammar_ends_the_request_on_the_decode
     single = params({"choice": ["x", "y", "z"]}, None)
     expected = clean_tiny_llm.generate(prompts[:1], single)[0]
     assert len(expected.token_ids) == 1 and expected.finish_reason == "stop"
-    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
-    decode_engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    decode_engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     for _ in ("compiling", "cached"):
         tokens, reasons = split_generate(prefill, decode_engine, prompts[:1], [single])
         assert tokens == [expected.token_ids] and reasons == ["stop"]
@@ -268,7 +270,7 @@ def run_to_end(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, Excep
 
 
 def test_a_spec_that_does_not_compile_fails_its_request_alone(tiny_llama_dir, prompts):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     engine.add_request("good", prompts[0], params(SPECS["regex"], None))
     engine.add_request("bad-regex", prompts[1], params({"regex": "a(b"}, None))
     engine.add_request("plain", prompts[2], params(None, None, 10))
@@ -283,7 +285,8 @@ def test_a_spec_that_does_not_compile_fails_its_request_alone(tiny_llama_dir, pr
 
 
 def test_a_node_reports_a_spec_that_does_not_compile_as_a_400(tiny_llama_dir, prompts):
-    generation = Generation(LLMEngine(EngineConfig(model=str(tiny_llama_dir))), "node")
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    generation = Generation(engine, "node")
     sampling = {"max_tokens": 8, "structured_output": {"grammar": "start: undefined_rule"}}
     assert generation.admit(Generate("bad", prompts[0], sampling)) is None
     messages = []
@@ -296,7 +299,7 @@ def test_a_node_reports_a_spec_that_does_not_compile_as_a_400(tiny_llama_dir, pr
 
 
 def test_a_held_request_blocks_no_one_and_can_be_aborted(tiny_llama_dir, prompts, monkeypatch):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir)))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     structured = engine.structured_output
     compile_spec = structured._compile
     release = threading.Event()
@@ -324,7 +327,7 @@ DEFAULT_MODEL_SPECS = {**SPECS, "json_object": {"json_object": True}}
 
 @pytest.fixture(scope="module")
 def default_llm(default_model_dir):
-    return LLM(str(default_model_dir))
+    return LLM(str(default_model_dir), dtype="float32")
 
 
 @pytest.mark.default_model

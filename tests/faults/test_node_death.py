@@ -47,6 +47,7 @@ FLAGS = [
     "--kv-cache-memory", str(32 << 20),
     "--transfer-timeout", str(TRANSFER_TIMEOUT_S),
     "--heartbeat-interval", str(HEARTBEAT_S),
+    "--dtype", "float32",  # texts compared across retries on other nodes: no bf16 near-ties
 ]
 # Two heartbeats, one watchdog round, scraping and a loaded machine's scheduling.
 DEAD_WITHIN_S = 2 * HEARTBEAT_S + 2.0

@@ -80,9 +80,10 @@ def test_descriptor_mismatch_fails_at_connect_naming_both_values(node_id):
 
 
 def test_unknown_transport_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"'rdma'.*\['shm', 'cuda_ipc', 'zmq', 'inprocess'\]"):
+    valid = r"\['shm', 'cuda_ipc', 'zmq', 'mooncake', 'inprocess'\]"
+    with pytest.raises(ValueError, match=rf"'rdma'.*{valid}"):
         receiver_transport("rdma", "n")
-    assert TRANSPORT_NAMES == ("shm", "cuda_ipc", "zmq")  # the test double serves no node
+    assert TRANSPORT_NAMES == ("shm", "cuda_ipc", "zmq", "mooncake")  # the double serves no node
 
 
 def test_ledger_refuses_blocks_held_by_another_transfer_and_completes_on_every_layer():

@@ -1,8 +1,9 @@
 """KV blocks written by a real prefill process arrive bit-exact in a real decode process.
 
-One decode peer and one prefill peer (`tests/kv_peer.py`) host a receiver and a sender per
-(transport, dtype); each test moves random bytes - shuffled destination blocks, a partial last
-block, several transfers at once, written chunk by chunk - and compares SHA-256 per block.
+One decode peer and one prefill peer (`kvtransfer/peer.py`) host a receiver and a sender per
+(transport: shm, zmq, mooncake; dtype); each test moves random bytes - shuffled destination
+blocks, a partial last block, several transfers at once, written chunk by chunk - and compares
+SHA-256 per block.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.kvtransfer.peer import PeerProcess
+from tests.mooncake_env import require_mooncake
 
 SHM_DIR = Path("/dev/shm")
 NUM_BLOCKS = 32
@@ -57,8 +59,10 @@ def chunked_writes(num_tokens: int, chunk_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
+@pytest.mark.parametrize("transport", ["shm", "zmq", "mooncake"])
 def test_random_kv_arrives_bit_exact_in_shuffled_blocks(peers, node_prefix, transport, dtype):
+    if transport == "mooncake":
+        require_mooncake()
     decode, prefill = peers
     name, node_id = f"{transport}-{dtype}", f"{node_prefix}-{transport}-{dtype}"
     rng = random.Random(f"{transport}{dtype}")

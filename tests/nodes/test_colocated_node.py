@@ -106,7 +106,7 @@ def node(tiny_llama_dir, tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.colocated_node", "--model", str(tiny_llama_dir),
          "--listen", listen]
-        + f"--router {router_address} --node-id node-0 --num-kv-blocks 128".split()
+        + f"--router {router_address} --node-id node-0 --num-kv-blocks 128 --dtype float32".split()
         + ["--heartbeat-interval", "0.2"],
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
@@ -136,7 +136,7 @@ def test_greedy_tokens_equal_offline_llm(node, tiny_llama_dir):
     for i, prompt in enumerate(PROMPTS):
         node.send(Generate(f"greedy-{i}", prompt, params))
     results = node.collect([f"greedy-{i}" for i in range(len(PROMPTS))])
-    expected = LLM(str(tiny_llama_dir), num_kv_blocks=128).generate(
+    expected = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128).generate(
         PROMPTS, SamplingParams(**params)
     )
     for i, (prompt, reference) in enumerate(zip(PROMPTS, expected)):
@@ -230,7 +230,7 @@ def test_engine_error_fails_in_flight_requests_and_node_survives(tiny_llama_dir)
 
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     node = ColocatedNode(
-        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64),
+        engine_config=EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64),
         config=NodeConfig(
             node_id="node-x",
             listen_address=listen,

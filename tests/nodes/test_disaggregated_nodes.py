@@ -45,12 +45,12 @@ def nodes(tiny_llama_dir):
         )
 
     decode = DecodeNode(
-        engine_config=EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=48),
+        engine_config=EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=48),
         config=config("d"),
     )
     prefill = PrefillNode(
         engine_config=EngineConfig(
-            model=str(tiny_llama_dir), num_kv_blocks=48, max_num_batched_tokens=32
+            model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=48, max_num_batched_tokens=32
         ),
         config=config("p"),
     )
@@ -114,7 +114,8 @@ def test_tokens_equal_the_offline_engine_and_every_block_returns(nodes, tiny_lla
     decode, prefill = nodes
     prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(str(tiny_llama_dir)).generate(prompts, greedy)]
+    offline = LLM(str(tiny_llama_dir), dtype="float32")
+    expected = [o.token_ids for o in offline.generate(prompts, greedy)]
     for i, prompt in enumerate(prompts):
         decode.handle(
             Generate(
@@ -162,7 +163,7 @@ def test_prompt_logprobs_come_from_the_prefill_node_with_the_first_token(nodes, 
     updates = [u for m in to_router if isinstance(m, TokenBatch) for u in m.updates]
     scored = [u for u in updates if u.prompt_logprobs is not None]
     assert len(scored) == 1 and scored[0].offset == 0  # the prefill node's, and only once
-    offline = LLM(str(tiny_llama_dir)).engine
+    offline = LLM(str(tiny_llama_dir), dtype="float32").engine
     offline.add_request("s0", prompt, SamplingParams(**sampling))
     expected = None
     while offline.has_unfinished_requests():
@@ -181,7 +182,7 @@ def choices_for(sampling: dict, n: int, prefix: str) -> list[Choice]:
 
 
 def offline_choices(tiny_llama_dir, prompt: list[int], choices: list[Choice]) -> dict:
-    llm = LLM(str(tiny_llama_dir))
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
     outputs = llm.generate([prompt] * len(choices), [SamplingParams(**c.sampling) for c in choices])
     return {c.request_id: o.token_ids for c, o in zip(choices, outputs)}
 

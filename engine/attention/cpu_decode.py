@@ -1,0 +1,88 @@
+"""The torch backend's decode on the CPU: kernels/cpu_decode_attention.py's compiled kernel,
+which reads every decoding sequence's blocks in place through its block table.
+
+`CpuDecodeKernel.for_cache` returns None where that kernel cannot run (not a CPU cache, a
+dtype other than fp32 or bf16, numba not installed), and the backend keeps its gather path
+(`TorchAttentionBackend._decode`), which is also the kernel's reference in the tests. Built
+once per backend; it compiles the kernel for the cache's dtype right away (or loads numba's
+on-disk cache: a fraction of a second), so no decode step pays the compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.batch import FlatBatch
+from pdserve.engine.kv_cache import KVCache
+
+
+@dataclass
+class PagedDecode:
+    """The decoding sequences of a step (the first `num_seqs` of the batch), shared by every
+    layer: int32 block tables padded with block 0, and int32 lengths."""
+
+    num_seqs: int
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class CpuDecodeKernel:
+    def __init__(self, block_size: int, scale: float, sliding_window: int | None) -> None:
+        from pdserve.kernels.cpu_decode_attention import cpu_decode_attention
+
+        self.block_size = block_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self._kernel = cpu_decode_attention
+
+    @classmethod
+    def for_cache(
+        cls, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None
+    ) -> CpuDecodeKernel | None:
+        """The kernel for this cache, compiled; None where it cannot run."""
+        spec = kv_cache.spec
+        if kv_cache.buffer.device.type != "cpu":
+            return None
+        from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
+
+        if not cpu_decode_attention_available(spec.dtype):
+            return None
+        kernel = cls(spec.block_size, scale, sliding_window)
+        kernel.compile(kv_cache, num_heads)
+        return kernel
+
+    def compile(self, kv_cache: KVCache, num_heads: int) -> None:
+        """One call on a single-token sequence in block 0 (its output is thrown away)."""
+        key_cache, value_cache = kv_cache.key_cache(0), kv_cache.value_cache(0)
+        q = torch.zeros(1, num_heads, kv_cache.spec.head_dim, dtype=kv_cache.spec.dtype)
+        one = torch.ones(1, 1, dtype=torch.int32)
+        self.attend(q, key_cache, value_cache, PagedDecode(1, one - 1, one[0]), torch.empty_like(q))
+
+    def prepare(self, batch: FlatBatch, num_decodes: int) -> PagedDecode:
+        seq_lens = batch.seq_lens[:num_decodes]
+        counts = [-(-n // self.block_size) for n in seq_lens]
+        width = max(counts)
+        rows = [
+            batch.block_tables[i][:count] + [0] * (width - count)
+            for i, count in enumerate(counts)
+        ]
+        return PagedDecode(
+            num_seqs=num_decodes,
+            block_tables=torch.tensor(rows, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        decode: PagedDecode,
+        out: torch.Tensor,
+    ) -> None:
+        self._kernel(
+            q, key_cache, value_cache, decode.block_tables, decode.seq_lens, self.scale,
+            self.sliding_window, out,
+        )

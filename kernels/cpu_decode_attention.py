@@ -1,0 +1,273 @@
+"""Paged decode attention on the CPU: one query token per sequence, its keys read in place.
+
+Compiled by numba (LLVM, no C compiler needed at install or run time). For each (sequence,
+KV head) pair - the parallel loop, split over numba's threads - the query heads that share the
+KV head are held as one [group, head_dim] matrix, and the sequence's blocks are walked through
+its block table where they lie in the cache: each key and value row is read once for the whole
+group, nothing is gathered or copied, and an online softmax in fp32 (running max, running
+denominator, the accumulator rescaled when the max grows) combines the blocks. With a sliding
+window, the blocks wholly before the window are skipped and the first one read from its window
+start. A bf16 cache is read as its raw 16-bit words and widened to fp32 a block at a time; the
+query arrives in fp32 and the output leaves in fp32 (the wrapper converts).
+
+Compiled with fastmath={"reassoc", "contract"} only, so the dot products and the accumulator
+updates vectorize (strict fp32 order leaves the head_dim reduction scalar: measured 2-2.5x
+slower); infinities and NaNs keep their IEEE meaning (no "nnan"/"ninf"), which the -inf start of
+the running max relies on. Results differ from the gather reference by float rounding only.
+
+Compiled once per cache dtype on first use, cached on disk (numba's cache=True: beside this
+file when writable, else in the user's cache directory), so later processes load it instead.
+
+Why numba (measurements in bench/results/cpu_decode_attention.md and docs/performance.md):
+see MEASUREMENTS below; a C++ extension would need a compiler on every user's machine.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic, overload
+except ImportError:  # the engine falls back to its gather path
+    numba = None
+
+SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# Numba's workqueue threading layer aborts the process when two threads enter a parallel
+# kernel at once; one lock per process keeps every layer safe (the engine calls from one thread).
+_KERNEL_LOCK = threading.Lock()
+
+
+def cpu_decode_attention_available(cache_dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel can run on a cache of `cache_dtype` (numba importable)."""
+    return numba is not None and cache_dtype in SUPPORTED_CACHE_DTYPES
+
+
+if numba is not None:
+
+    def _block_as_float32(cache, block, kv_head, scratch):
+        """cache[block, kv_head] ([block_size, head_dim]) as fp32: the block itself for an fp32
+        cache; for a bf16 cache (uint16 words), widened into `scratch` (uint32) and viewed."""
+
+    @overload(_block_as_float32)
+    def _block_as_float32_impl(cache, block, kv_head, scratch):
+        if cache.dtype == types.float32:
+
+            def in_place(cache, block, kv_head, scratch):
+                return cache[block, kv_head]
+
+            return in_place
+        if cache.dtype == types.uint16:
+
+            def widened(cache, block, kv_head, scratch):
+                words = cache[block, kv_head]
+                for token in range(words.shape[0]):
+                    for d in range(words.shape[1]):
+                        scratch[token, d] = np.uint32(words[token, d]) << np.uint32(16)
+                return scratch.view(np.float32)
+
+            return widened
+        return None
+
+    @intrinsic
+    def _prefetch(typingctx, array, offset):
+        """Asks the CPU to bring the cache line holding array.flat[offset] into its caches
+        (llvm.prefetch: a hint, never a fault). The blocks of a sequence lie anywhere in the
+        cache, so the hardware prefetchers cannot guess the next one: measured with the cache
+        out of the CPU's caches (as in a decode step, after the layer's weights), fetching the
+        next block while scoring this one made a call 20-30% faster."""
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+            i32 = ir.IntType(32)
+            suffix = "p0" if getattr(address.type, "is_opaque", False) else "p0i8"
+            function_type = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
+            function = cgutils.get_or_insert_function(
+                builder.module, function_type, f"llvm.prefetch.{suffix}"
+            )
+            read, keep_in_all_levels, data_cache = (ir.Constant(i32, n) for n in (0, 3, 1))
+            builder.call(function, [address, read, keep_in_all_levels, data_cache])
+            return context.get_dummy_value()
+
+        return types.void(array, offset), codegen
+
+    @njit(inline="always")
+    def _prefetch_block(key_cache, value_cache, block, kv_head):
+        block_size, dim = key_cache.shape[2], key_cache.shape[3]
+        first = (block * key_cache.shape[1] + kv_head) * block_size * dim
+        for offset in range(first, first + block_size * dim, 64 // key_cache.itemsize):
+            _prefetch(key_cache, offset)
+            _prefetch(value_cache, offset)
+
+    def _decode_loops(q, key_cache, value_cache, block_tables, seq_lens, window, out):
+        """q [seqs, heads, dim] fp32, already scaled; caches [blocks, kv_heads, block_size,
+        dim] fp32 or uint16 (bf16 words); block_tables [seqs, max_blocks] int32; seq_lens
+        [seqs] int32; window 0 for none; out [seqs, heads, dim] fp32."""
+        num_seqs, num_heads, dim = q.shape
+        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        group = num_heads // num_kv_heads
+        for item in prange(num_seqs * num_kv_heads):
+            seq = item // num_kv_heads
+            kv_head = item - seq * num_kv_heads
+            first_head = kv_head * group
+            seq_len = seq_lens[seq]
+            if seq_len <= 0:
+                out[seq, first_head:first_head + group] = 0.0
+                continue
+            first_key = max(0, seq_len - window) if window > 0 else 0
+            query = q[seq, first_head:first_head + group]
+            acc = np.zeros((group, dim), np.float32)
+            running_max = np.full(group, -np.inf, np.float32)
+            denominator = np.zeros(group, np.float32)
+            weights = np.empty((group, block_size), np.float32)
+            scratch = np.empty((block_size, dim), np.uint32)
+            last_block = (seq_len - 1) // block_size
+            for block_index in range(first_key // block_size, last_block + 1):
+                block = block_tables[seq, block_index]
+                if block_index < last_block:
+                    _prefetch_block(
+                        key_cache, value_cache, block_tables[seq, block_index + 1], kv_head
+                    )
+                start = block_index * block_size
+                lo = max(first_key - start, 0)
+                hi = min(seq_len - start, block_size)
+                keys = _block_as_float32(key_cache, block, kv_head, scratch)
+                for g in range(group):
+                    block_max = np.float32(-np.inf)
+                    for token in range(lo, hi):
+                        score = np.float32(0.0)
+                        for d in range(dim):
+                            score += query[g, d] * keys[token, d]
+                        weights[g, token] = score
+                        block_max = max(block_max, score)
+                    new_max = max(running_max[g], block_max)
+                    correction = math.exp(running_max[g] - new_max)
+                    running_max[g] = new_max
+                    total = denominator[g] * correction
+                    for token in range(lo, hi):
+                        weight = math.exp(weights[g, token] - new_max)
+                        weights[g, token] = weight
+                        total += weight
+                    denominator[g] = total
+                    if correction != 1.0:
+                        for d in range(dim):
+                            acc[g, d] *= correction
+                values = _block_as_float32(value_cache, block, kv_head, scratch)
+                for g in range(group):
+                    for token in range(lo, hi):
+                        weight = weights[g, token]
+                        for d in range(dim):
+                            acc[g, d] += weight * values[token, d]
+            for g in range(group):
+                inverse = np.float32(1.0) / denominator[g]
+                for d in range(dim):
+                    out[seq, first_head + g, d] = acc[g, d] * inverse
+
+
+    def _compile_lazily(function):
+        """Compiled on first call, cached on disk; where no cache directory is writable (numba
+        refuses cache=True there), compiled in every process instead."""
+        options = {"parallel": True, "fastmath": {"reassoc", "contract"}}
+        try:
+            return njit(cache=True, **options)(function)
+        except RuntimeError:
+            return njit(**options)(function)
+
+    _decode_kernel = _compile_lazily(_decode_loops)
+
+
+def _as_numpy(cache: torch.Tensor) -> np.ndarray:
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy()
+
+
+def _check_arguments(q, key_cache, value_cache, block_tables, seq_lens, out) -> None:
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            "caches must both be [num_blocks, num_kv_heads, block_size, head_dim], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if key_cache.dtype not in SUPPORTED_CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"caches must share one dtype of {SUPPORTED_CACHE_DTYPES}, got {key_cache.dtype} "
+            f"and {value_cache.dtype}"
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous (a layer's view of the KV buffer is)")
+    tensors = (q, key_cache, value_cache, block_tables, seq_lens, out)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"every tensor must be on the CPU, got {[t.device for t in tensors]}")
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q must be [num_seqs, a multiple of {num_kv_heads} heads, {head_dim}], "
+            f"got {tuple(q.shape)}"
+        )
+    if out.shape != q.shape:
+        raise ValueError(f"out is {tuple(out.shape)}, q is {tuple(q.shape)}")
+    if block_tables.dim() != 2 or seq_lens.dim() != 1:
+        raise ValueError(
+            f"block_tables must be 2-d and seq_lens 1-d, got {block_tables.dim()}-d and "
+            f"{seq_lens.dim()}-d"
+        )
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"q has {q.shape[0]} sequences; block_tables {block_tables.shape[0]}, "
+            f"seq_lens {seq_lens.shape[0]}"
+        )
+
+
+def cpu_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's last token over its cached keys, as
+    kernels/reference.py's `decode_attention_reference` defines it.
+
+    q [num_seqs, num_heads, head_dim] (fp32 or bf16; the token at position seq_len - 1, whose
+    key is already in the cache); caches [num_blocks, num_kv_heads, block_size, head_dim], fp32
+    or bf16, contiguous; block_tables [num_seqs, max_blocks] int32 with at least
+    ceil(seq_len / block_size) valid entries per row (unchecked: the kernel trusts them);
+    seq_lens [num_seqs] int32 (0: padding, output zeros). Returns `out` (allocated when None).
+    """
+    if numba is None:
+        raise RuntimeError("the CPU decode attention kernel needs numba (pip install numba)")
+    out = torch.empty_like(q) if out is None else out
+    _check_arguments(q, key_cache, value_cache, block_tables, seq_lens, out)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if q.shape[0] == 0:
+        return out
+    query = (q.float() * scale).contiguous()
+    result = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    threads = torch.get_num_threads()
+    with _KERNEL_LOCK:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        if torch.get_num_threads() != threads:
+            # Numba's OpenMP layer, started by its first call, sets the process's OpenMP
+            # thread count (torch's too) to NUMBA_NUM_THREADS: give torch its own back.
+            torch.set_num_threads(threads)
+        _decode_kernel(
+            query.numpy(), _as_numpy(key_cache), _as_numpy(value_cache), tables.numpy(),
+            lens.numpy(), sliding_window or 0, result.numpy(),
+        )
+    if result is not out:
+        out.copy_(result)
+    return out

@@ -1,0 +1,137 @@
+"""The CPU decode attention kernel (numba) equals the pure-torch reference within fp32
+tolerance: shuffled, non-contiguous block tables, lengths of 0, 1, a block, a block + 1 and
+long, GQA groups of 1, 3 and 8 query heads per KV head, head dims 64 and 128, with and without
+a sliding window, over fp32 and bf16 caches. The torch backend's decode with the kernel equals
+its gather path on a mixed batch, and falls back to that path when numba is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.attention.torch_backend import TorchAttentionBackend
+from pdserve.engine.batch import build_flat_batch
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.kernels import cpu_decode_attention as kernel_module
+from pdserve.kernels.cpu_decode_attention import cpu_decode_attention
+from pdserve.kernels.reference import decode_attention_reference
+
+needs_numba = pytest.mark.skipif(kernel_module.numba is None, reason="numba is not installed")
+BLOCK_SIZE = 16
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+LENGTHS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 0, 3 * BLOCK_SIZE - 1, 300, 2]
+
+
+def paged_case(seq_lens, num_kv_heads, group, head_dim, dtype, seed=0):
+    """(q, key_cache, value_cache, block_tables, seq_lens): caches are layer 1 of a two-layer
+    buffer, every sequence's blocks drawn at random from a shuffled pool (padded with 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(counts) + 5
+    shape = (2, 2, num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
+    buffer = torch.randn(shape, generator=generator).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    width, rows, used = max(counts), [], 0
+    for count in counts:
+        rows.append(order[used : used + count] + [0] * (width - count))
+        used += count
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=generator)
+    tables = torch.tensor(rows, dtype=torch.int32)
+    return q.to(dtype), buffer[1, 0], buffer[1, 1], tables, torch.tensor(seq_lens).int()
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sliding_window", [None, 20], ids=["full", "window20"])
+@pytest.mark.parametrize(
+    "num_kv_heads, group, head_dim", [(3, 3, 64), (2, 1, 128), (1, 8, 64), (2, 8, 128)]
+)
+def test_kernel_equals_reference(num_kv_heads, group, head_dim, sliding_window, dtype):
+    q, key_cache, value_cache, tables, lens = paged_case(
+        LENGTHS, num_kv_heads, group, head_dim, dtype
+    )
+    scale = head_dim**-0.5
+    out = torch.full(q.shape, 7.0)  # fp32 out: compared at fp32 tolerance whatever the cache
+
+    cpu_decode_attention(q, key_cache, value_cache, tables, lens, scale, sliding_window, out)
+
+    expected = decode_attention_reference(
+        q.float(), key_cache.float(), value_cache.float(), tables, lens, scale, sliding_window
+    )
+    torch.testing.assert_close(out, expected, **FP32)
+    assert not out[LENGTHS.index(0)].any(), "a sequence of length 0 attends to nothing"
+
+
+@needs_numba
+def test_kernel_writes_the_query_dtype_when_no_out_is_given():
+    q, key_cache, value_cache, tables, lens = paged_case([40, 7], 2, 4, 64, torch.bfloat16)
+
+    out = cpu_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)
+
+    expected = decode_attention_reference(
+        q.float(), key_cache.float(), value_cache.float(), tables, lens, 0.125
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_numba
+def test_kernel_rejects_mismatched_arguments():
+    q, key_cache, value_cache, tables, lens = paged_case([5], 2, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 2 heads"):
+        cpu_decode_attention(q[:, :3], key_cache, value_cache, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="share one dtype"):
+        cpu_decode_attention(q, key_cache, value_cache.half(), tables, lens, 0.125)
+    with pytest.raises(ValueError, match="block_tables 2"):
+        cpu_decode_attention(q, key_cache, value_cache, tables.repeat(2, 1), lens, 0.125)
+
+
+def mixed_step_outputs(backend: TorchAttentionBackend, seed: int) -> torch.Tensor:
+    """One layer of a step with four decodes (lengths 1, 16, 17, 200; shuffled blocks) and a
+    prefill chunk after cached context; returns the attention output of every token."""
+    generator = torch.Generator().manual_seed(seed)
+    spec = backend.kv_cache.spec
+    backend.kv_cache.buffer.copy_(torch.randn(backend.kv_cache.buffer.shape, generator=generator))
+    order = torch.randperm(backend.kv_cache.num_blocks, generator=generator).tolist()
+    context_lens, chunks = [0, 15, 16, 199, 40], [[1], [1], [1], [1], [1] * 9]
+    tables, used = [], 0
+    for context_len, chunk in zip(context_lens, chunks):
+        count = -(-(context_len + len(chunk)) // spec.block_size)
+        tables.append(order[used : used + count])
+        used += count
+    batch = build_flat_batch(
+        chunks, context_lens, tables, [True] * len(chunks), spec.block_size, torch.device("cpu")
+    )
+    heads, kv_heads, dim = backend.num_heads, backend.num_kv_heads, backend.head_dim
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, heads, dim, generator=generator)
+    k = torch.randn(tokens, kv_heads, dim, generator=generator)
+    v = torch.randn(tokens, kv_heads, dim, generator=generator)
+    return backend.forward(0, q, k, v, backend.prepare(batch))
+
+
+@needs_numba
+@pytest.mark.parametrize("sliding_window", [None, 24], ids=["full", "window24"])
+def test_backend_decode_with_the_kernel_equals_its_gather_path(sliding_window):
+    spec = KVCacheSpec(1, 3, 64, BLOCK_SIZE, torch.float32)
+    fused = TorchAttentionBackend(KVCache(spec, 40, torch.device("cpu")), 9, 3, 64, sliding_window)
+    gather = TorchAttentionBackend(KVCache(spec, 40, torch.device("cpu")), 9, 3, 64, sliding_window)
+    gather.cpu_decode = None
+    assert fused.cpu_decode is not None
+
+    torch.testing.assert_close(mixed_step_outputs(fused, 1), mixed_step_outputs(gather, 1), **FP32)
+
+
+def test_backend_falls_back_to_the_gather_path_without_numba(monkeypatch):
+    monkeypatch.setattr(kernel_module, "numba", None)
+    spec = KVCacheSpec(1, 2, 64, BLOCK_SIZE, torch.float32)
+    backend = TorchAttentionBackend(KVCache(spec, 40, torch.device("cpu")), 4, 2, 64, None)
+
+    assert backend.cpu_decode is None
+    assert mixed_step_outputs(backend, 2).isfinite().all()
+
+
+def test_backend_keeps_the_gather_path_for_an_fp16_cache():
+    spec = KVCacheSpec(1, 2, 64, BLOCK_SIZE, torch.float16)
+    backend = TorchAttentionBackend(KVCache(spec, 4, torch.device("cpu")), 4, 2, 64, None)
+    assert backend.cpu_decode is None
