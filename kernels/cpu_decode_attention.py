@@ -14,19 +14,19 @@ converted to fp32 and scaled before the call, and the output converted back afte
 fastmath={"reassoc", "contract"} only: the head_dim dot products and accumulator updates may
 vectorize (strict fp32 order left the dot products scalar: 2.2x slower), while infinities and
 NaNs keep their IEEE meaning (no "nnan"/"ninf"), which the running max's -inf start needs.
-Results differ from kernels/reference.py by float rounding only (<= 1e-6 in the tests).
+Results differ from kernels/reference.py by float rounding only (~1e-6 in the tests).
 
-Compiled once per cache dtype on first use (2.8 s fp32, 4.0 s bf16 on the benchmark machine)
-and cached on disk (numba's cache=True: beside this file when writable, else in the user's
-cache directory, or NUMBA_CACHE_DIR), so later processes load it in 0.2 s; where no cache
-directory is writable, every process compiles it.
+Compiled once per cache dtype on first use (3-5 s on the benchmark machine) and cached on
+disk (numba's cache=True: beside this file when writable, else in the user's cache directory,
+or NUMBA_CACHE_DIR), so later processes load it in 0.2-0.8 s; where no cache directory is
+writable, every process compiles it.
 
 Why numba. Measured side by side on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim
 64, block size 16) on a 2-core Xeon (AVX-512), fp32, per layer call
 (bench/results/cpu_decode_attention.md has the full grid):
   candidate                                     b1 ctx2048   b16 ctx512   b64 ctx512
-  (a) gather path (index_select, matmuls)         0.47 ms      1.46 ms     18.9 ms
-  (c) this kernel (numba)                         0.27 ms      0.67 ms      3.4 ms
+  (a) gather path (index_select, matmuls)         0.68 ms      1.73 ms     12.0 ms
+  (c) this kernel (numba)                         0.31 ms      0.77 ms      4.5 ms
 (b) pure torch padded to the longest sequence (one index_select per cache, two batched
 matmuls, a masked softmax) beat (a) only at batch 1 and 128 tokens (0.05 vs 0.09 ms) and lost
 on the columns above (in one run: 0.43 vs 0.41 ms, 7.0 vs 1.3 ms, 70 vs 10 ms): it copies
@@ -35,8 +35,8 @@ every padded key and value, transposed. (d) the same loops as (c) in C, gcc -O3
 intrinsics it gains nothing, and it needs a compiler on every user's machine. Single-thread
 variants of (c) that lost: a transposed key block (vector over tokens, 2x slower), a
 polynomial exp vectorized by hand (1.2x slower; exp is ~15% of a call). Inside a batch-64
-decode step of the default model (context ~150) decode attention fell from 37% of the step
-to 23% (step 1.24x faster): there the cache comes from memory, not from the CPU's caches, which
+decode step of the default model (context ~150) decode attention fell from 40% of the step
+to 22% (step 1.37x faster): there the cache comes from memory, not from the CPU's caches, which
 is what the prefetch is for (20-30% of a cold call). numba is a dependency; where it is
 missing (or the cache is fp16) the engine keeps the gather path.
 """
