@@ -18,8 +18,15 @@ FROM python:3.11-slim
 # torch's CPU build from its own index: the PyPI wheel carries CUDA's libraries too.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" torch==2.13.0
+# PDSERVE_EXTRAS: the wheel's extras; the default, mooncake, is the KV transport between
+# hosts (`--kv-transport mooncake`), whose engine needs the system library libibverbs.
+ARG PDSERVE_EXTRAS=mooncake
+RUN case ",$PDSERVE_EXTRAS," in *,mooncake,*) apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 \
+    && rm -rf /var/lib/apt/lists/* ;; esac
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+RUN pip install --no-cache-dir "$(ls /wheels/*.whl)${PDSERVE_EXTRAS:+[$PDSERVE_EXTRAS]}" \
+    && rm -rf /wheels
 
 RUN useradd --create-home --uid 1000 pdserve && mkdir /data && chown pdserve /data
 USER pdserve

@@ -12,11 +12,12 @@ import torch
 from pdserve.bench.workload import Request, Throughput
 
 
-def load_hf_model(model_path: Path) -> Any:
-    """The same checkpoint through transformers, with EOS disabled (no early stops)."""
+def load_hf_model(model_path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    """The same checkpoint through transformers in `dtype`, with EOS disabled (no early
+    stops)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
     model.eval()
     pad = model.generation_config.pad_token_id
     if pad is None:

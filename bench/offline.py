@@ -1,6 +1,9 @@
 """Offline throughput of pdserve vs Hugging Face transformers, on one model, dtype and machine.
 
-What it measures (all fp32, same thread count, greedy decoding, one process):
+What it measures (same dtype for both, same thread count, greedy decoding, one process). The
+dtype is ``--dtype``; its default, auto, is what pdserve's ``--dtype auto`` picks on this machine
+(bf16 on a CPU with AMX-BF16 or AVX512-BF16, else fp32; engine/dtype_choice.py), and
+transformers runs in the same:
 
 1. pdserve: ``LLM.generate`` on the whole workload at once (continuous batching, paged KV
    cache). Only the generate call is timed; engine construction and a tiny warm-up are not.
@@ -60,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="default: torch's current")
     parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="of pdserve and transformers alike (auto: pdserve's choice on this machine)",
+    )
+    parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX")
     )
     parser.add_argument(
@@ -93,12 +102,20 @@ def build_llm(model_path: Path, args: argparse.Namespace) -> Any:
 
     return LLM(
         str(model_path),
-        dtype="float32",
+        dtype=args.dtype,
         num_threads=args.threads,
         kv_cache_memory=int(args.kv_cache_gib * GIB),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
     )
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """`--dtype`'s torch dtype; auto is engine/dtype_choice.py's choice on this CPU."""
+    from pdserve.engine.dtype_choice import choose_dtype
+
+    requested = None if name == "auto" else getattr(torch, name)
+    return choose_dtype(requested, torch.device("cpu"), None).dtype
 
 
 def run_pdserve(llm: Any, workload: list[Request]) -> tuple[Throughput, list[list[int]]]:
@@ -175,7 +192,7 @@ def bench_transformers(
     if args.skip_hf_batched and args.skip_hf_single:
         return
     say("loading transformers")
-    model = load_hf_model(model_path)
+    model = load_hf_model(model_path, resolve_dtype(args.dtype))
     if not args.skip_hf_batched:
         say(f"transformers: static batches of {args.hf_batch_size}")
         results["runs"].append(run_hf_batched(model, workload, args.hf_batch_size))
@@ -195,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
+    args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
     torch.manual_seed(args.seed)
     results: dict[str, Any] = {"command": command_line(), "machine": machine_info()}
     model_path = resolve_model(args.model)

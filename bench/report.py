@@ -131,7 +131,7 @@ def parity_section(lines: list[str]) -> str:
 
 def setup_paragraph(results: dict[str, Any], args: argparse.Namespace) -> str:
     return (
-        f"Model: `{results['model']}` (fp32, {results['weight_bytes'] / 1e6:.0f} MB of weights "
+        f"Model: `{results['model']}` ({args.dtype}, {results['weight_bytes'] / 1e6:.0f} MB of weights "
         f"read per decode step: every linear layer and norm, not the embedding table). "
         f"Workload: {args.num_requests} requests, seed {args.seed}, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({results['prompt_tokens']:,} in all),"

@@ -242,7 +242,8 @@ def setup_table(args: argparse.Namespace, vocab_source: str) -> dict[str, str]:
     ]
     return {
         "pdserve": "; ".join(pdserve) or "not run",
-        "pdserve model": args.model or "SmolLM2-135M-Instruct (default model, fp32 on the CPU)",
+        "pdserve model": args.model or "SmolLM2-135M-Instruct (default model)",
+        "pdserve dtype": pdserve_dtype(args.serve_flags),
         "llama.cpp started with": args.llamacpp_command or "not given (--llamacpp-command)",
         "prompts": f"random token ids ({vocab_source}), {args.input_len} tokens in, "
         f"{args.output_len} out, seed {args.seed}; the same for every server",
@@ -251,6 +252,22 @@ def setup_table(args: argparse.Namespace, vocab_source: str) -> dict[str, str]:
         "ignore_eos (pdserve and llama.cpp both accept it)",
         "warm-up": f"{args.warmup} uncounted requests per server",
     }
+
+
+def pdserve_dtype(serve_flags: str | None) -> str:
+    """The dtype the pdserve servers run in: `--dtype` if the flags give one, else what
+    `--dtype auto` picks on this machine (the rule of engine/dtype_choice.py)."""
+    flags = shlex.split(serve_flags or "")
+    for i, flag in enumerate(flags):
+        if flag.startswith("--dtype="):
+            return flag.split("=", 1)[1]
+        if flag == "--dtype" and i + 1 < len(flags):
+            return flags[i + 1]
+    import torch
+
+    from pdserve.engine.dtype_choice import choose_dtype
+
+    return f"{choose_dtype(None, torch.device('cpu'), None)} (--dtype auto)"
 
 
 def write_gguf(path: Path) -> None:

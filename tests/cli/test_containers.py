@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")
@@ -143,3 +145,27 @@ def test_compose_secret_comes_from_an_env_file_whose_example_is_refused():
     with pytest.raises(ValueError, match="openssl rand"):
         check_secret(placeholder)
     assert "pdserve.env" in (REPO / ".dockerignore").read_text().split()
+
+
+def test_cpu_image_installs_the_mooncake_extra_and_the_library_it_loads(tmp_path):
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    (extras,) = re.findall(r"^ARG PDSERVE_EXTRAS=(\S*)$", text, re.MULTILINE)
+    optional = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras.split(",") == ["mooncake"] and "mooncake" in optional
+    (install,) = [line for line in text.splitlines() if "pip install" in line and "/wheels" in line]
+    (libraries,) = [line for line in text.splitlines() if "apt-get install" in line]
+    assert "libibverbs1" in libraries and "*,mooncake,*" in libraries
+    # The wheel's name with the extras appended, as the RUN line's shell expands it.
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "pdserve-1.0-py3-none-any.whl").touch()
+    (argument,) = re.findall(r'"(\$\(ls /wheels[^"]*)"', install)
+    argument = argument.replace("/wheels", str(wheels))
+    for value, expected in ((extras, f"[{extras}]"), ("", "")):
+        expanded = subprocess.run(
+            ["bash", "-c", f'PDSERVE_EXTRAS={value} && echo "{argument}"'],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        assert expanded == f"{wheels}/pdserve-1.0-py3-none-any.whl{expected}"

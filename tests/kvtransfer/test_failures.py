@@ -17,14 +17,11 @@ import zmq
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.messages import Begin, Data, Written, decode_header, encode_header
 from pdserve.kvtransfer.peer import PeerProcess
-from tests.fault_checks import wait_until
+from tests.kvtransfer.peer_pairs import GRACE_S, SPEC, open_pair, peer_starter, wait_landed
 
 SHM_DIR = Path("/dev/shm")
-NUM_BLOCKS = 16
 TRANSPORTS = ("shm", "zmq")
 DEADLINE_S = 1.5
-GRACE_S = 0.2
-SPEC = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32"}
 
 
 def leftover_segments(node_prefix: str) -> list[str]:
@@ -52,42 +49,9 @@ def survivor(logs):
 @pytest.fixture
 def started_peers(logs, node_prefix, survivor):
     """Starts peers in parallel; stops every one of them and checks /dev/shm afterwards."""
-    started: list[PeerProcess] = []
-
-    def start(*names: str) -> list[PeerProcess]:
-        peers = [PeerProcess(logs / f"{name}-{uuid.uuid4().hex[:6]}.log") for name in names]
-        started.extend(peers)
-        for peer in peers:
-            peer.wait_started()
-        return peers
-
-    yield start
-    for peer in started:
-        peer.stop()
+    with peer_starter(logs) as start:
+        yield start
     assert leftover_segments(node_prefix) == []
-
-
-def open_pair(decode, prefill, transport, node_id, seed=1):
-    descriptor = decode.call(
-        "open_receiver", name=transport, transport=transport, node_id=node_id,
-        spec=SPEC, num_blocks=NUM_BLOCKS, grace=GRACE_S,
-    )["descriptor"]
-    if prefill is not None:
-        prefill.call(
-            "open_sender", name=transport, transport=transport, descriptor=descriptor,
-            seed=seed, num_blocks=NUM_BLOCKS,
-        )
-    return descriptor
-
-
-def wait_landed(decode, prefill, transport: str, src: list[int], dst: list[int]) -> None:
-    """Waits until the receiver's `dst` blocks hold the bytes the sender wrote from `src`."""
-    sent = prefill.call("hashes", name=transport, block_ids=src)["hashes"]
-    wait_until(
-        lambda: decode.call("hashes", name=transport, block_ids=dst)["hashes"] == sent,
-        20,
-        f"the {transport} write of blocks {src} -> {dst} landing",
-    )
 
 
 def test_killed_sender_fails_the_transfer_at_its_deadline_and_frees_its_blocks(

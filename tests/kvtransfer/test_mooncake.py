@@ -27,13 +27,10 @@ from pdserve.kvtransfer.transports.mooncake_engine import (
     host_of,
 )
 from pdserve.kvtransfer.transports.registry import receiver_transport, sender_transport
-from tests.fault_checks import wait_until
+from tests.kvtransfer.peer_pairs import GRACE_S, open_pair, peer_starter, wait_landed
 from tests.mooncake_env import require_mooncake
 
-NUM_BLOCKS = 16
 DEADLINE_S = 1.5
-GRACE_S = 0.2
-SPEC = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float32"}
 RELEASE_AFTER_DEADLINE_S = WRITE_TIMEOUT_S + 1.0  # the mooncake strategy's write_timeout_s
 
 
@@ -41,79 +38,53 @@ RELEASE_AFTER_DEADLINE_S = WRITE_TIMEOUT_S + 1.0  # the mooncake strategy's writ
 def start_peers(tmp_path):
     """Starts peer processes in parallel; stops them all."""
     require_mooncake()
-    started: list[PeerProcess] = []
-
-    def start(*names: str) -> list[PeerProcess]:
-        peers = [PeerProcess(tmp_path / f"{name}.log") for name in names]
-        started.extend(peers)
-        for peer in peers:
-            peer.wait_started()
-        return peers
-
-    yield start
-    for peer in started:
-        peer.stop()
+    with peer_starter(tmp_path) as start:
+        yield start
 
 
-def open_pair(decode: PeerProcess, prefill: PeerProcess, seed: int = 1) -> None:
-    descriptor = decode.call(
-        "open_receiver", name="mc", transport="mooncake", node_id=f"mc{uuid.uuid4().hex[:8]}",
-        spec=SPEC, num_blocks=NUM_BLOCKS, grace=GRACE_S,
-    )["descriptor"]
-    prefill.call(
-        "open_sender", name="mc", transport="mooncake", descriptor=descriptor, seed=seed,
-        num_blocks=NUM_BLOCKS,
-    )
-
-
-def wait_landed(decode: PeerProcess, prefill: PeerProcess, src: list[int], dst: list[int]) -> None:
-    sent = prefill.call("hashes", name="mc", block_ids=src)["hashes"]
-    wait_until(
-        lambda: decode.call("hashes", name="mc", block_ids=dst)["hashes"] == sent,
-        20,
-        f"the mooncake write of blocks {src} -> {dst} landing",
-    )
+def open_mooncake_pair(decode: PeerProcess, prefill: PeerProcess) -> None:
+    open_pair(decode, prefill, "mooncake", f"mc{uuid.uuid4().hex[:8]}")
 
 
 def assert_blocks_free_again(decode: PeerProcess, block_ids: list[int]) -> None:
-    assert decode.call("held", name="mc")["held"] == 0
-    decode.call("expect", name="mc", transfer_id="req-next", block_ids=block_ids, deadline_s=5)
-    decode.call("abort", name="mc", transfer_id="req-next")
-    assert decode.call("wait", name="mc", transfer_id="req-next", wait_s=8)["kind"] == "released"
-    assert decode.call("held", name="mc")["held"] == 0
+    assert decode.call("held", name="mooncake")["held"] == 0
+    decode.call("expect", name="mooncake", transfer_id="req-next", block_ids=block_ids, deadline_s=5)
+    decode.call("abort", name="mooncake", transfer_id="req-next")
+    assert decode.call("wait", name="mooncake", transfer_id="req-next", wait_s=8)["kind"] == "released"
+    assert decode.call("held", name="mooncake")["held"] == 0
 
 
 def test_killed_decode_node_fails_the_senders_next_write_at_once(start_peers):
     decode, prefill = start_peers("decode", "prefill")
-    open_pair(decode, prefill)
-    decode.call("expect", name="mc", transfer_id="req-orphan", block_ids=[1, 2, 3, 4],
+    open_mooncake_pair(decode, prefill)
+    decode.call("expect", name="mooncake", transfer_id="req-orphan", block_ids=[1, 2, 3, 4],
                 deadline_s=30)
-    prefill.call("write", name="mc", transfer_id="req-orphan", src=[5, 6], dst=[1, 2])
-    wait_landed(decode, prefill, [5, 6], [1, 2])
+    prefill.call("write", name="mooncake", transfer_id="req-orphan", src=[5, 6], dst=[1, 2])
+    wait_landed(decode, prefill, "mooncake", [5, 6], [1, 2])
     decode.kill()
     killed_at = time.monotonic()
-    prefill.call("write", name="mc", transfer_id="req-orphan", src=[7, 8], dst=[3, 4])
-    event = prefill.call("wait", name="mc", transfer_id="req-orphan", wait_s=20)
+    prefill.call("write", name="mooncake", transfer_id="req-orphan", src=[7, 8], dst=[3, 4])
+    event = prefill.call("wait", name="mooncake", transfer_id="req-orphan", wait_s=20)
     assert event["kind"] == "failed"
     assert "'req-orphan'" in event["error"] and "Mooncake write" in event["error"]
     assert time.monotonic() - killed_at < 10, "failed only near its 30 s deadline"
-    prefill.call("close", name="mc")
+    prefill.call("close", name="mooncake")
 
 
 def test_killed_prefill_node_frees_its_blocks_after_the_deadline_and_the_write_timeout(
     start_peers,
 ):
     decode, prefill = start_peers("decode", "prefill")
-    open_pair(decode, prefill)
+    open_mooncake_pair(decode, prefill)
     dst = [9, 3, 12, 5, 0, 7]
-    decode.call("expect", name="mc", transfer_id="req-killed", block_ids=dst,
+    decode.call("expect", name="mooncake", transfer_id="req-killed", block_ids=dst,
                 deadline_s=DEADLINE_S)
     expected_at = time.monotonic()
-    prefill.call("write", name="mc", transfer_id="req-killed", src=[0, 1, 2], dst=dst[:3])
-    wait_landed(decode, prefill, [0, 1, 2], dst[:3])
+    prefill.call("write", name="mooncake", transfer_id="req-killed", src=[0, 1, 2], dst=dst[:3])
+    wait_landed(decode, prefill, "mooncake", [0, 1, 2], dst[:3])
     prefill.kill()
     event = decode.call(
-        "wait", name="mc", transfer_id="req-killed", wait_s=DEADLINE_S + 15, timeout=30
+        "wait", name="mooncake", transfer_id="req-killed", wait_s=DEADLINE_S + 15, timeout=30
     )
     elapsed = time.monotonic() - expected_at
     assert event["kind"] == "released"
@@ -122,27 +93,27 @@ def test_killed_prefill_node_frees_its_blocks_after_the_deadline_and_the_write_t
     earliest = DEADLINE_S + RELEASE_AFTER_DEADLINE_S
     assert earliest - 0.05 <= elapsed <= earliest + 2.0
     assert_blocks_free_again(decode, dst)
-    decode.call("close", name="mc")
+    decode.call("close", name="mooncake")
 
 
 def test_a_transfer_past_its_deadline_fails_on_both_sides_and_frees_its_blocks(start_peers):
     decode, prefill = start_peers("decode", "prefill")
-    open_pair(decode, prefill)
+    open_mooncake_pair(decode, prefill)
     dst = [4, 8, 15, 2]
-    decode.call("expect", name="mc", transfer_id="req-late", block_ids=dst,
+    decode.call("expect", name="mooncake", transfer_id="req-late", block_ids=dst,
                 deadline_s=DEADLINE_S)
     expected_at = time.monotonic()
-    prefill.call("write", name="mc", transfer_id="req-late", src=[3, 4], dst=dst[:2])
-    sender_event = prefill.call("wait", name="mc", transfer_id="req-late", wait_s=10)
+    prefill.call("write", name="mooncake", transfer_id="req-late", src=[3, 4], dst=dst[:2])
+    sender_event = prefill.call("wait", name="mooncake", transfer_id="req-late", wait_s=10)
     assert sender_event["kind"] == "failed" and "deadline" in sender_event["error"]
     assert DEADLINE_S - 0.3 <= time.monotonic() - expected_at <= DEADLINE_S + 1.5
     # The live sender abandons the transfer, so its blocks return without the write timeout.
-    receiver_event = decode.call("wait", name="mc", transfer_id="req-late", wait_s=10)
+    receiver_event = decode.call("wait", name="mooncake", transfer_id="req-late", wait_s=10)
     assert receiver_event["kind"] == "released" and "deadline" in receiver_event["error"]
     assert time.monotonic() - expected_at < DEADLINE_S + RELEASE_AFTER_DEADLINE_S
     assert_blocks_free_again(decode, dst)
-    prefill.call("close", name="mc")
-    decode.call("close", name="mc")
+    prefill.call("close", name="mooncake")
+    decode.call("close", name="mooncake")
 
 
 def test_each_step_is_one_batched_write_of_its_block_runs_merged_where_adjacent(monkeypatch):
