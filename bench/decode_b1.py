@@ -58,7 +58,8 @@ def linear_calls(model: torch.nn.Module) -> list[Callable[[], torch.Tensor]]:
     calls: list[Callable[[], torch.Tensor]] = []
     for module in model.modules():
         if isinstance(module, Linear):
-            x = torch.randn(1, module.in_features)
+            weight = module.packed_weight if module.packed_weight is not None else module.weight
+            x = torch.randn(1, module.in_features, dtype=weight.dtype)
             calls.append(lambda module=module, x=x: module(x))
     return calls
 
