@@ -94,7 +94,7 @@ def time_layer_calls(batch, seq_lens, dtype, seed, min_seconds) -> tuple[float, 
         return backend._decode(q, key_cache, value_cache, old_metadata)
 
     def new() -> torch.Tensor:
-        kernel.attend(q, key_cache, value_cache, new_metadata, new_out)
+        kernel.attend(0, q, key_cache, value_cache, new_metadata, new_out)
         return new_out
 
     difference = (old().float() - new().float()).abs().max().item()

@@ -120,6 +120,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.reserve,
         [int(n) for n in args.seq_lens.split(",")],
         args.block_size,
+        args.kv_cache_dtype,
     )
     print(render_json(plan) if args.json else render_table(plan))
     return 0
@@ -146,6 +147,9 @@ def cmd_node(role: str, node_args: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.wire.config_flags import add_flags
+
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     download = sub.add_parser("download", help="fetch the default model or a Hub id")
@@ -179,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserve", type=float, default=0.1, help="fraction kept free")
     plan.add_argument("--seq-lens", default="1024,8192,32768", help="tokens per sequence")
     plan.add_argument("--block-size", type=int, default=16)
+    add_flags(plan, EngineConfig, select=lambda f: f.name == "kv_cache_dtype", defaults=True)
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(run=cmd_plan, parser=plan)
     sub.add_parser(

@@ -17,7 +17,9 @@ GPUs (the prefill node opens each decode node's KV buffer on that node's GPU, fo
 so every node's list holds every GPU the deployment uses, its own first; under the other
 transports it holds its own GPU alone. Each node gets `--processes-on-device` (how many nodes
 share its GPU) and the operator's `--gpu-memory-utilization` (default 0.9), which those nodes
-share equally (engine/memory_budget.py).
+share equally (engine/memory_budget.py). A colocated node with `--tensor-parallel-size N`
+(engine/distributed/) sees the first N GPUs and starts its N - 1 worker ranks itself, rank r
+on cuda:r; disaggregated nodes run one rank each (N > 1 is refused before anything starts).
 
 Then it supervises (commands/supervisor.py): a node that exits is restarted with the same node id
 and address (`--no-restart-nodes`: the deployment serves on without it) and rejoins the router
@@ -100,9 +102,15 @@ def check_node_settings(args: argparse.Namespace) -> None:
     settings = node_settings(args)
     addresses = {"node_id": "-", "listen_address": "-", "router_address": "-"}
     try:
-        EngineConfig(**settings["engine"], device="cpu")
+        engine = EngineConfig(**settings["engine"], device="cpu")
     except ValueError as error:
         raise ValueError(in_flag_terms(EngineConfig, str(error))) from None
+    if engine.tensor_parallel_size > 1 and not args.colocated:
+        raise ValueError(
+            f"--tensor-parallel-size {engine.tensor_parallel_size} needs --colocated: prefill "
+            "and decode nodes run one rank each (shipping each rank's KV shard between them "
+            "is not built yet)"
+        )
     try:
         node = NodeConfig(**settings["node"], **addresses)
     except ValueError as error:
@@ -236,6 +244,14 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     gpus = launcher_gpus(os.environ, _gpu_count())
     see_every_gpu = node.get("kv_transport") == "cuda_ipc"
     placements = place_on_gpus(len(roles), gpus, see_every_gpu) if gpus else None
+    tensor_parallel_size = engine.get("tensor_parallel_size", 1)
+    if placements is not None and tensor_parallel_size > 1:  # one colocated node, N GPUs
+        if len(gpus) < tensor_parallel_size:
+            raise ValueError(
+                f"--tensor-parallel-size {tensor_parallel_size} needs as many GPUs; "
+                f"{len(gpus)} are visible"
+            )
+        placements = [DevicePlacement(tuple(gpus[:tensor_parallel_size]), 1)]
     threads = plan_node_threads(
         [role for role, _ in roles], usable_cores(), bool(gpus), args.threads_per_node,
         others_may_join=across_hosts,

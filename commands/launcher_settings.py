@@ -51,10 +51,6 @@ class LauncherSettings:
         help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm; "
         "with a --router-listen other hosts reach, mooncake if installed, else zmq)",
     )
-    tensor_parallel_size: int = option(
-        1, flag="--tensor-parallel-size", aliases=("-tp",), metavar="N", group="deployment",
-        help="1 only: pdserve runs each node on one device (scale with --prefill/--decode)",
-    )
     host: str = option(
         "127.0.0.1", flag="--host", group="deployment", help="HTTP bind address (the router's)"
     )
@@ -94,11 +90,6 @@ class LauncherSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size}: pdserve runs each node on "
-                "one device; scale out with --prefill N and --decode M instead"
-            )
         if self.generation_config != GENERATION_CONFIG_DEFAULT:
             raise ValueError(
                 f"--generation-config {self.generation_config}: pdserve takes no default "

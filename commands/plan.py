@@ -1,9 +1,12 @@
 """`pdserve plan`: how much KV cache a model needs and how many sequences fit in a memory budget.
 
-KV bytes per token = 2 (key and value) x layers x KV heads x head dim x dtype bytes. A sequence
-of n tokens holds ceil(n / block_size) blocks of block_size tokens each (paged KV wastes less
-than one block per sequence). Concurrency = (memory - weights - reserve) // bytes per sequence.
-Weights are counted from the shapes (embedding, attention, MLP, norms, an untied LM head).
+KV bytes per token = 2 (key and value) x layers x KV heads x head dim x KV element bytes: the
+weights' dtype with `--kv-cache-dtype auto`, 1 with fp8_e4m3 (EngineConfig.kv_cache_dtype), so
+an fp8 cache holds twice the tokens of a bf16 one and four times an fp32 one in the same budget.
+A sequence of n tokens holds ceil(n / block_size) blocks of block_size tokens each (paged KV
+wastes less than one block per sequence). Concurrency = (memory - weights - reserve) // bytes
+per sequence. Weights are counted from the shapes (embedding, attention, MLP, norms, an untied
+LM head), in `dtype`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+KV_CACHE_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8": 1}  # besides "auto": the weights' dtype
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class SequencePlan:
 class CapacityPlan:
     model: str
     dtype: str
+    kv_cache_dtype: str
     block_size: int
     kv_bytes_per_token: int
     weight_bytes: int
@@ -109,13 +114,21 @@ def plan_capacity(
     reserve_fraction: float,
     seq_lens: list[int],
     block_size: int = 16,
+    kv_cache_dtype: str = "auto",
 ) -> CapacityPlan:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPE_BYTES)}, got "
+            f"{kv_cache_dtype!r}"
+        )
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"the reserve must be a fraction in [0, 1), got {reserve_fraction}")
     element = DTYPE_BYTES[dtype]
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element
+    kv_element = KV_CACHE_DTYPE_BYTES.get(kv_cache_dtype, element)
+    kv_cache_dtype = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_element
     weights = shape.num_parameters * element
     reserve = int(memory_bytes * reserve_fraction)
     budget = max(0, memory_bytes - weights - reserve)
@@ -124,7 +137,8 @@ def plan_capacity(
         kv_bytes = -(-tokens // block_size) * block_size * per_token
         sequences.append(SequencePlan(tokens, kv_bytes, budget // kv_bytes if kv_bytes else 0))
     return CapacityPlan(
-        shape.name, dtype, block_size, per_token, weights, memory_bytes, reserve, budget, sequences
+        shape.name, dtype, kv_cache_dtype, block_size, per_token, weights, memory_bytes, reserve,
+        budget, sequences,
     )
 
 
@@ -137,7 +151,10 @@ def _size(num_bytes: int) -> str:
 
 def render_table(plan: CapacityPlan) -> str:
     lines = [
-        f"model {plan.model}, {plan.dtype}, block size {plan.block_size}",
+        (
+            f"model {plan.model}, {plan.dtype}, KV cache {plan.kv_cache_dtype}, "
+            f"block size {plan.block_size}"
+        ),
         f"KV per token        {_size(plan.kv_bytes_per_token)} ({plan.kv_bytes_per_token:,} bytes)",
         f"weights             {_size(plan.weight_bytes)}",
         f"memory              {_size(plan.memory_bytes)} (reserve {_size(plan.reserve_bytes)})",

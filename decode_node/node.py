@@ -54,7 +54,7 @@ from pdserve.kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
 from pdserve.kvtransfer.fingerprint import model_fingerprint
 from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation, choice_params, request_params
-from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime
+from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime, refuse_tensor_parallel
 from pdserve.wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class DecodeNode(NodeRuntime):
     role = "decode"
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
+        refuse_tensor_parallel(engine_config, self.role)
         self.receiver = ChannelReceiver(
             config.kv_transport,
             ReceiverConfig(

@@ -48,7 +48,17 @@ def copy_blocks(buffer: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
 
         copy_blocks_kernel(buffer, src, dst)
         return
-    buffer[:, :, dst] = buffer[:, :, src]
+    movable = as_movable(buffer)
+    movable[:, :, dst] = movable[:, :, src]
+
+
+def as_movable(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for a one-byte float (an fp8 KV cache) its bytes (uint8, same
+    shape): torch lacks some index ops on fp8 tensors (index_copy_ on the CPU), and whole
+    blocks move as bytes anyway."""
+    if tensor.element_size() == 1 and tensor.dtype.is_floating_point:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def gather_blocks(
@@ -58,13 +68,14 @@ def gather_blocks(
     those blocks, in that order (into `out` when given: contiguous, on the buffer's device).
     One index kernel on a GPU, whatever the ids."""
     if out is None:
-        return buffer.index_select(2, block_ids)
-    return torch.index_select(buffer, 2, block_ids, out=out)
+        return as_movable(buffer).index_select(2, block_ids).view(buffer.dtype)
+    torch.index_select(as_movable(buffer), 2, block_ids, out=as_movable(out))
+    return out
 
 
 def scatter_blocks(buffer: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
     """buffer[:, :, block_ids[i]] = blocks[:, :, i]: gather_blocks' inverse (ids distinct)."""
-    buffer.index_copy_(2, block_ids, blocks)
+    as_movable(buffer).index_copy_(2, block_ids, as_movable(blocks))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,10 @@ _DTYPES = {
     "bf16": "bfloat16",
 }
 
+# KV cache dtypes besides "auto" (the model's dtype) -> torch's; "fp8" is vLLM's alias.
+_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn"}
+KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_SWAP_SPACE = 4 << 30
@@ -53,6 +57,10 @@ class EngineConfig:
         default model, downloaded on first use.
     dtype: "auto" (on CUDA the config's 16-bit dtype or bf16; on the CPU bf16 where it has
         AMX-BF16 or AVX512-BF16, else fp32: engine/dtype_choice.py) or a dtype name.
+    kv_cache_dtype: "auto" (the KV cache holds the model's dtype) or "fp8_e4m3" ("fp8" is
+        vLLM's alias, stored as "fp8_e4m3"): one byte per element, stored as x / scale and read
+        as x * scale with per-layer scales (engine/kv_scales.py), so a block is half a 16-bit
+        one and the same memory holds twice the blocks.
     load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
         drawn from `seed`; the folder needs only config.json, and without tokenizer files the
         engine takes token ids only) (engine/loader.py).
@@ -62,6 +70,11 @@ class EngineConfig:
         node processes placed on it may hold together (weights, activations, KV cache); each
         gets an equal share. One process with a smaller fraction is an explicit share.
     num_kv_blocks: an exact block count, overriding the memory budget (tests, capacity drills).
+    tensor_parallel_size: ranks that split the model (engine/distributed/): each holds its
+        shard of every layer and a KV cache of its KV heads with the same block ids; memory
+        options (`kv_cache_memory`, `num_kv_blocks`, `swap_space`) are per rank; on the CPU
+        the node's `num_threads` (default: every usable core) are split between them. No CUDA
+        graphs under it.
     max_model_len: None means the model's `max_position_embeddings`.
     attention_backend: "auto" (triton on a CUDA device, torch on the CPU), "torch" or
         "triton"; construction resolves "auto", so the field always names a backend.
@@ -88,6 +101,11 @@ class EngineConfig:
         "auto", flag="--dtype", choices=("auto", *_DTYPES),
         help="weights, activations and KV cache (default auto: on CUDA the config's 16-bit "
         "dtype, else bfloat16; on the CPU bfloat16 with AMX-BF16 or AVX512-BF16, else float32)",
+    )
+    kv_cache_dtype: str = option(
+        "auto", flag="--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
+        help="KV cache storage (default auto: the model's dtype); fp8_e4m3 (alias fp8) keeps "
+        "one byte per element with per-layer scales from the checkpoint (else 1.0)",
     )
     load_format: str = option(
         "auto", flag="--load-format", choices=LOAD_FORMATS,
@@ -123,6 +141,11 @@ class EngineConfig:
     processes_on_device: int = option(
         1, flag="--processes-on-device", metavar="N", launcher_sets=True,
         help="node processes sharing this node's GPU; `pdserve serve` counts them",
+    )
+    tensor_parallel_size: int = option(
+        1, flag="--tensor-parallel-size", aliases=("-tp",), metavar="N",
+        help="ranks, one process each (one GPU each on CUDA), that split every layer and the "
+        "KV heads; rank 0 schedules and samples (engine/distributed/)",
     )
     attention_backend: str = option(
         "auto", flag="--attention-backend",
@@ -196,8 +219,19 @@ class EngineConfig:
             )
         if self.processes_on_device < 1:
             raise ValueError(f"processes_on_device must be >= 1, got {self.processes_on_device}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got "
+                f"{self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
@@ -232,7 +266,15 @@ class EngineConfig:
             )
         if self.cuda_graphs is None:
             self.cuda_graphs = (
-                self.resolve_device().type == "cuda" and self.attention_backend == "triton"
+                self.resolve_device().type == "cuda"
+                and self.attention_backend == "triton"
+                and self.tensor_parallel_size == 1
+            )
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"cuda_graphs are not supported with tensor_parallel_size "
+                f"{self.tensor_parallel_size} (the graphs would capture its collectives); "
+                "pass --enforce-eager"
             )
         if self.cuda_graphs and self.attention_backend != "triton":
             raise ValueError(
@@ -245,6 +287,14 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element dtype for a model running in `model_dtype`."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return model_dtype
+        return getattr(torch, _KV_CACHE_DTYPES[self.kv_cache_dtype])
 
     def resolve_dtype(
         self,

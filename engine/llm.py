@@ -20,13 +20,18 @@ class LLM:
 
     `model` is a model folder, or None for the default model (downloaded on first use); the
     keywords are `EngineConfig` fields (max_num_batched_tokens, max_num_seqs, max_model_len,
-    block_size, kv_cache_memory, dtype, ...).
+    block_size, kv_cache_memory, dtype, tensor_parallel_size, ...). With
+    `tensor_parallel_size` > 1 it starts a worker process per further rank; `close()` stops
+    them, as does collecting the LLM or exiting.
     """
 
     def __init__(self, model: str | None = None, **config: object) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
 
     def generate(
         self,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,12 +27,14 @@ from pdserve.engine.admission import AdmissionPolicy
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.forks import Forks, check_choices
+from pdserve.engine.held_blocks import HeldBlocks
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
 from pdserve.engine.models import model_class
 from pdserve.engine.outputs import EngineStep, StepOutput
 from pdserve.engine.preemption import PreemptionPolicy
+from pdserve.engine.prompt_checks import check_prompt
 from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
 from pdserve.engine.queue_wait import QueueWaitStats
 from pdserve.engine.sampler import SampleResult, skip_sample
@@ -42,10 +43,8 @@ from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutp
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_failure import StepFailure, find_culprits
 from pdserve.engine.structured_output import StructuredOutput
-from pdserve.engine.swap_space import SwapSpace
 from pdserve.engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
 from pdserve.text.tokenizer import load_tokenizer
-from pdserve.wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -93,7 +92,7 @@ class LLMEngine:
         )
         kv_spec = self.runner.kv_cache.spec
         self.swap_space = (
-            SwapSpace.for_budget(self.runner.kv_cache, config.swap_space)
+            self.runner.new_swap_space(config.swap_space)
             if config.swap_space >= kv_spec.bytes_per_block and config.preemption_mode != "recompute"
             else None
         )
@@ -117,7 +116,7 @@ class LLMEngine:
         self.forks = Forks(self.block_manager, self.scheduler)
         self.num_prompt_tokens_computed = 0
         self.sequences: dict[str, Sequence] = {}
-        self.held_blocks: Counter[int] = Counter()
+        self.held_blocks = HeldBlocks(self.block_manager)
         self.num_exported_blocks: dict[str, int] = {}  # request id -> prompt blocks exported
         self.structured_output = StructuredOutput(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
@@ -180,40 +179,15 @@ class LLMEngine:
         )
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
-        if (
-            params.prompt_logprobs is not None
-            and len(prompt_token_ids) > MAX_PROMPT_LOGPROBS_TOKENS
-        ):
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids):,} tokens; prompt logprobs are computed "
-                f"for prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS:,} tokens"
-            )
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids):,} tokens and max_tokens is "
-                f"{params.max_tokens:,}; the model's maximum context length is "
-                f"{self.max_model_len:,} tokens"
-            )
-        needed = self.block_manager.blocks_for_tokens(total)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids):,} tokens and max_tokens is "
-                f"{params.max_tokens:,}, needing {needed:,} KV blocks; the KV cache holds "
-                f"only {self.block_manager.num_blocks:,}"
-            )
+        """Raises ValueError, naming the value, if the request is malformed or can never fit
+        (engine/prompt_checks.py)."""
+        check_prompt(
+            prompt_token_ids,
+            params,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.block_manager,
+        )
 
     def abort_request(self, request_id: str) -> None:
         self.finish_request(request_id, "abort")
@@ -396,31 +370,15 @@ class LLMEngine:
     def reserve_blocks(self, num_tokens: int) -> list[int] | None:
         """Decode side: blocks for a prompt whose KV another node computes, held until
         `add_prefilled_request` takes them or `release_blocks` returns them; None if the
-        cache cannot hold them now."""
-        block_ids = self.block_manager.allocate_blocks(
-            self.block_manager.blocks_for_tokens(num_tokens)
-        )
-        if block_ids is not None:
-            self.held_blocks.update(block_ids)
-        return block_ids
+        cache cannot hold them now (engine/held_blocks.py)."""
+        return self.held_blocks.reserve(num_tokens)
 
     def hold_blocks(self, block_ids: list[int]) -> None:
-        """Prefill side: keeps blocks (and their KV) while a transfer still reads them, even
-        after their request has finished."""
-        self.block_manager.hold_blocks(block_ids)
-        self.held_blocks.update(block_ids)
+        """Prefill side: keeps blocks (and their KV) while a transfer still reads them."""
+        self.held_blocks.hold(block_ids)
 
     def release_blocks(self, block_ids: list[int]) -> None:
-        self._unhold(block_ids)
-        self.block_manager.release_blocks(block_ids)
-
-    def _unhold(self, block_ids: list[int]) -> None:
-        """Forgets the engine's holds on blocks (whose references are released or handed to
-        a sequence by the caller)."""
-        self.held_blocks.subtract(block_ids)
-        if min(self.held_blocks.values(), default=0) < 0:
-            raise RuntimeError(f"released blocks that were not held: {block_ids}")
-        self.held_blocks = +self.held_blocks
+        self.held_blocks.release(block_ids)
 
     def add_prefilled_request(
         self,
@@ -450,7 +408,7 @@ class LLMEngine:
         held = reason is None and not self.structured_output.admit(seq)
         if reason is None and seq.grammar is not None and seq.grammar.complete:
             reason = "stop"
-        self._unhold(block_ids)
+        self.held_blocks.hand_over(block_ids)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens
@@ -489,9 +447,14 @@ class LLMEngine:
         """Throwaway steps before a node serves (engine/warm_up.py says which and why)."""
         warm_up(self, max_tokens, kernel_variants)
 
+    def close(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism: engine/distributed/);
+        they also stop when the engine is collected or its process exits."""
+        self.runner.close()
+
     def check_integrity(self) -> None:
         tables = [seq.block_table for seq in self.sequences.values()]
-        tables.append(list(self.held_blocks.elements()))
+        tables.append(self.held_blocks.elements())
         self.block_manager.check_integrity(tables)
         if self.swap_space is not None:
             self.swap_space.check_integrity(self.scheduler.host_block_tables())

@@ -20,6 +20,9 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.engine.config import LOAD_FORMATS
+from pdserve.engine.distributed.group import RankGroup
+from pdserve.engine.distributed.layout import ShardLayout
+from pdserve.engine.kv_scales import is_kv_scale_name
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import model_class
 
@@ -40,12 +43,20 @@ def iterate_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(
-    config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    layout: ShardLayout | None = None,
+    group: RankGroup | None = None,
 ) -> nn.Module:
     """The model's modules with uninitialized weights in `dtype` on `device`; the "meta"
-    device allocates nothing (shapes and parameter counts of any size of model)."""
+    device allocates nothing (shapes and parameter counts of any size of model). `layout`
+    and `group`: a tensor-parallel rank's shard (None: the whole model)."""
     with torch.device(device):
-        return model_class(config)(config, max_positions, dtype=dtype)
+        if layout is None:
+            return model_class(config)(config, max_positions, dtype=dtype)
+        return model_class(config)(config, max_positions, dtype=dtype, layout=layout, group=group)
 
 
 def load_model(
@@ -55,17 +66,24 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    layout: ShardLayout | None = None,
+    group: RankGroup | None = None,
 ) -> nn.Module:
+    """Under tensor parallelism (`layout`, `group`) each rank reads every tensor and keeps its
+    part; dummy weights are then drawn per rank in its shard's shapes (random either way, but
+    not the one-rank model's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    model = build_model(config, max_positions, dtype, device)
+    model = build_model(config, max_positions, dtype, device, layout, group)
     if load_format == "dummy":
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         std = getattr(config.hf_config, "initializer_range", None) or DEFAULT_DUMMY_WEIGHT_STD
         model.load_random_weights(generator, std)
     else:
-        model.load_weights(
-            (name, tensor.to(dtype)) for name, tensor in iterate_safetensors(config.path)
+        model.load_weights(  # KV cache scales are read by engine/kv_scales.py instead
+            (name, tensor.to(dtype))
+            for name, tensor in iterate_safetensors(config.path)
+            if not is_kv_scale_name(name)
         )
     return model.eval().requires_grad_(False)

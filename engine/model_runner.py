@@ -13,7 +13,10 @@ from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pdserve.engine.cpu_allocator import keep_freed_memory_for_reuse
+from pdserve.engine.distributed.group import RankGroup
+from pdserve.engine.distributed.rank_workers import RankWorkers
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv_scales import kv_scales_for
 from pdserve.engine.loader import load_model
 from pdserve.engine.memory_budget import kv_cache_budget
 from pdserve.engine.memory_profile import (
@@ -25,11 +28,13 @@ from pdserve.engine.memory_profile import (
     profile_device_memory,
 )
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.llama import shard_layout
 from pdserve.engine.prompt_logprobs import ScoringPlan
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.swap_space import SwapSpace
 from pdserve.wire.limits import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -49,15 +54,27 @@ class ModelRunner:
         max_model_len: int,
         kv_cache_factory: KVCacheFactory = KVCache,
         memory_stats: CudaMemoryStats | None = None,
+        group: RankGroup | None = None,
     ):
         """Loads the model, sizes and allocates the KV cache, then captures the CUDA graphs, in
         the order engine/memory_profile.py gives. `memory_stats` measures the device for the KV
         cache's budget: by default the CUDA allocator's on a CUDA device, none on the CPU
-        (where the budget is `kv_cache_memory` or a fixed default); a test passes a fake."""
+        (where the budget is `kv_cache_memory` or a fixed default); a test passes a fake.
+
+        Tensor parallelism (engine/distributed/): with `tensor_parallel_size` > 1 and no
+        `group`, this is rank 0 and starts the worker ranks (`workers`), which build their own
+        runner with their `group`; every rank holds the same number of KV blocks."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = config.resolve_device()
+        size = group.size if group is not None else config.tensor_parallel_size
+        self.layout = shard_layout(model_config, group.rank if group is not None else 0, size)
+        self.workers: RankWorkers | None = None
+        if group is None and size > 1:
+            self.workers = RankWorkers.start(config, model_config.path, max_model_len, self.device)
+            group = self.workers.group
+        self.group = group or RankGroup.single()
         dtype_choice = config.resolve_dtype(self.device, model_config.config_dtype)
         logger.info("dtype %s", dtype_choice)
         self.dtype = dtype_choice.dtype
@@ -65,17 +82,22 @@ class ModelRunner:
             keep_freed_memory_for_reuse()
         if memory_stats is None and self.device.type == "cuda":
             memory_stats = CudaMemoryStats(self.device)
+        sharded = self.group.size > 1
         self.model = load_model(
-            model_config, max_model_len, self.dtype, self.device, config.load_format, config.seed
+            model_config, max_model_len, self.dtype, self.device, config.load_format, config.seed,
+            self.layout if sharded else None, self.group if sharded else None,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.attention_class = attention_backend_class(config.attention_backend)
         spec = KVCacheSpec(
             num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads,
+            num_kv_heads=self.layout.num_kv_heads,
             head_dim=model_config.head_dim,
             block_size=config.block_size,
-            dtype=self.dtype,
+            dtype=config.resolve_kv_cache_dtype(self.dtype),
+        )
+        self.kv_scales = kv_scales_for(
+            spec.dtype, model_config.path, model_config.num_layers, config.load_format
         )
         self.memory_profile: MemoryProfile | None = None
         graph_buckets: list[int] = []
@@ -83,13 +105,14 @@ class ModelRunner:
             from pdserve.engine.cuda_graphs import decode_buckets
 
             graph_buckets = decode_buckets(config.max_num_seqs)
-        num_blocks = config.num_kv_blocks or spec.num_blocks_for(
-            self._kv_cache_budget(spec, memory_stats, graph_buckets)
+        num_blocks = self.group.min(
+            config.num_kv_blocks
+            or spec.num_blocks_for(self._kv_cache_budget(spec, memory_stats, graph_buckets))
         )
         self.kv_cache = kv_cache_factory(spec, num_blocks, self.device)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            self.kv_cache.num_blocks, config.block_size,
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
+            self.kv_cache.num_blocks, config.block_size, spec.dtype,
             self.kv_cache.num_blocks * spec.bytes_per_block / 2**20,
         )
         self.attention = self._attention_backend(self.kv_cache)
@@ -120,10 +143,11 @@ class ModelRunner:
         model_config = self.model_config
         return self.attention_class(
             kv_cache,
-            model_config.num_heads,
-            model_config.num_kv_heads,
+            self.layout.num_heads,
+            self.layout.num_kv_heads,
             model_config.head_dim,
             model_config.sliding_window,
+            self.kv_scales,
         )
 
     def _kv_cache_budget(
@@ -179,7 +203,7 @@ class ModelRunner:
         logits = self.model(
             batch.input_ids, batch.positions, batch.logits_indices, backend, backend.prepare(batch)
         )
-        if sample:
+        if sample and logits is not None:  # None: a worker rank's (rank 0 samples)
             params = SamplingParams(
                 temperature=1.0, top_p=0.9, top_k=50, seed=0, logprobs=MAX_LOGPROBS, max_tokens=1,
                 presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05,
@@ -190,6 +214,18 @@ class ModelRunner:
                 for i, n in enumerate(shape.chunk_lens)
             ]
             self.sampler(logits, seqs)
+
+    def new_swap_space(self, swap_space_bytes: int) -> SwapSpace:
+        """Host memory for swapped-out KV; under tensor parallelism each swap is mirrored by
+        every worker rank on its own shard."""
+        if self.workers is not None:
+            return self.workers.swap_space(self.kv_cache, swap_space_bytes)
+        return SwapSpace.for_budget(self.kv_cache, swap_space_bytes)
+
+    def close(self) -> None:
+        """Stops the worker ranks (tensor parallelism); nothing to do otherwise."""
+        if self.workers is not None:
+            self.workers.close()
 
     def synchronize(self) -> None:
         """Waits for the device's queued work (CUDA); nothing to wait for on the CPU."""
@@ -219,6 +255,8 @@ class ModelRunner:
         logits_indices = batch.logits_indices
         if scoring is not None:  # prompt logprobs: their rows after the sampled ones
             logits_indices = torch.cat((logits_indices, scoring.rows))
+        if self.workers is not None:
+            self.workers.send_step(step.blocks_to_copy, batch, logits_indices)
         if (
             scoring is None
             and self.decode_graphs is not None

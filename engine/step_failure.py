@@ -1,8 +1,8 @@
 """A request that breaks a batched step fails alone.
 
-Requests are validated before they are queued (SamplingParams, `LLMEngine.validate_prompt`), so
-this is the last line. When running a step's batch (forward and sampling) raises, the engine
-runs each of that step's sequences alone (`find_culprits`):
+Requests are validated before they are queued (SamplingParams, `LLMEngine.validate_prompt`:
+engine/prompt_checks.py), so this is the last line. When running a step's batch (forward and
+sampling) raises, the engine runs each of that step's sequences alone (`find_culprits`):
   - those that raise alone are ended (finish reason "error", blocks freed) and `step()` raises
     `StepFailure` naming them (a prompt with choices by its choices' ids), for the caller to
     fail just those;
@@ -14,7 +14,8 @@ runs each of that step's sequences alone (`find_culprits`):
   - if none raises alone, the fault is the batch's or the device's, not a request's: the
     original exception propagates and the caller fails every request it holds.
 A step of one sequence skips the lone runs: that sequence is the one that failed. A failure
-anywhere else in a step (scheduling, swapping, the bookkeeping after the batch ran) is not
+of a tensor-parallel rank (`RankFailure`: it died, hung or broke a collective) is no request's
+and propagates at once: the engine is broken. A failure anywhere else in a step (scheduling, swapping, the bookkeeping after the batch ran) is not
 attributable and propagates as it is. The lone runs cost one forward per scheduled sequence,
 only on this rare path, and never loop: a failure of the re-run batch is judged afresh.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.engine.distributed.group import RankFailure
 from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -49,7 +51,9 @@ def find_culprits(
     error: Exception,
 ) -> dict[str, Exception]:
     """The step's batch raised `error`: the sequences of `scheduled` that raise alone, by
-    request id, with what they raised; re-raises `error` if none does."""
+    request id, with what they raised; re-raises `error` if none does, or if a rank failed."""
+    if isinstance(error, RankFailure):
+        raise error
     if len(scheduled) == 1:
         return {scheduled[0].seq.request_id: error}
     culprits: dict[str, Exception] = {}

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.launch import CACHE_DTYPES, check_index, kernel_runs_on
+from pdserve.kernels.launch import CACHE_DTYPES, FP8_CACHE_DTYPES, check_index, kernel_runs_on
 from pdserve.kernels.reference import copy_blocks_reference
 
 CHUNK = 1024
@@ -69,6 +69,8 @@ def copy_blocks(buffer: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tens
         )
     if src_ids.numel() == 0:
         return
+    if buffer.dtype in FP8_CACHE_DTYPES:  # a byte copy: no fp8 support needed on the device
+        buffer = buffer.view(torch.uint8)
     if not kernel_runs_on(_copy_blocks_kernel, buffer.device):
         copy_blocks_reference(buffer, src_ids, dst_ids)
         return

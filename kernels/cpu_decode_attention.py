@@ -8,8 +8,15 @@ and value row is read once for the whole group, nothing is gathered or copied, a
 softmax in fp32 (running max, running denominator, the accumulator rescaled when the max
 grows) combines the blocks, while the next block is prefetched. With a sliding window the
 blocks wholly before it are skipped and the first one is read from the window's start. A bf16
-cache is read as its raw 16-bit words and widened to fp32 a block at a time; the query is
-converted to fp32 and scaled before the call, and the output converted back after it.
+cache is read as its raw 16-bit words and widened to fp32 a block at a time; an fp8 cache
+(float8_e4m3fn) as its bytes, widened by bit arithmetic a block at a time: the byte's 7
+exponent and mantissa bits go to bits 20-26 of an fp32 and its exponent is rebiased (+120);
+a subnormal (exponent 0) is corrected with one multiply-subtract and the sign applied after,
+then the layer's key or value scale multiplies it (vLLM's read: value x scale); exact for
+every byte. Measured per 16 x 64 block on the 2-core Xeon: 179 ns, against 219 ns for a
+256-entry lookup table and 1.8 us for a variant that left e4m3's subnormals as fp32
+subnormals (the CPU's slow path).
+The query is converted to fp32 and scaled before the call, and the output converted back after.
 
 fastmath={"reassoc", "contract"} only: the head_dim dot products and accumulator updates may
 vectorize (strict fp32 order left the dot products scalar: 2.2x slower), while infinities and
@@ -58,7 +65,7 @@ try:
 except ImportError:  # the engine falls back to its gather path
     numba = None
 
-SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 # Numba's workqueue threading layer aborts the process when two threads enter a parallel
 # kernel at once; one lock per process keeps every layer safe (the engine calls from one thread).
 _KERNEL_LOCK = threading.Lock()
@@ -71,21 +78,22 @@ def cpu_decode_attention_available(cache_dtype: torch.dtype) -> bool:
 
 if numba is not None:
 
-    def _block_as_float32(cache, block, kv_head, scratch):
+    def _block_as_float32(cache, block, kv_head, scratch, fp8_scale):
         """cache[block, kv_head] ([block_size, head_dim]) as fp32: the block itself for an fp32
-        cache; for a bf16 cache (uint16 words), widened into `scratch` (uint32) and viewed."""
+        cache; for a bf16 cache (uint16 words), widened into `scratch` (uint32) and viewed; for
+        an fp8 e4m3 cache (bytes), widened into `scratch` viewed as fp32, times `fp8_scale`."""
 
     @overload(_block_as_float32)
-    def _block_as_float32_impl(cache, block, kv_head, scratch):
+    def _block_as_float32_impl(cache, block, kv_head, scratch, fp8_scale):
         if cache.dtype == types.float32:
 
-            def in_place(cache, block, kv_head, scratch):
+            def in_place(cache, block, kv_head, scratch, fp8_scale):
                 return cache[block, kv_head]
 
             return in_place
         if cache.dtype == types.uint16:
 
-            def widened(cache, block, kv_head, scratch):
+            def widened(cache, block, kv_head, scratch, fp8_scale):
                 words = cache[block, kv_head]
                 for token in range(words.shape[0]):
                     for d in range(words.shape[1]):
@@ -93,6 +101,28 @@ if numba is not None:
                 return scratch.view(np.float32)
 
             return widened
+        if cache.dtype == types.uint8:
+
+            def widened_fp8(cache, block, kv_head, scratch, fp8_scale):
+                codes = cache[block, kv_head]
+                for token in range(codes.shape[0]):
+                    for d in range(codes.shape[1]):
+                        scratch[token, d] = (
+                            (np.uint32(codes[token, d]) & np.uint32(0x7F)) << np.uint32(20)
+                        ) + np.uint32(120 << 23)
+                values = scratch.view(np.float32)
+                for token in range(codes.shape[0]):
+                    for d in range(codes.shape[1]):
+                        code = codes[token, d]
+                        value = values[token, d]
+                        if code & np.uint8(0x78) == 0:  # a subnormal: m x 2^-9
+                            value = np.float32(2.0) * value - np.float32(2.0**-6)
+                        if code & np.uint8(0x80):
+                            value = -value
+                        values[token, d] = value * fp8_scale
+                return values
+
+            return widened_fp8
         return None
 
     @intrinsic
@@ -126,10 +156,13 @@ if numba is not None:
             _prefetch(key_cache, offset)
             _prefetch(value_cache, offset)
 
-    def _decode_loops(q, key_cache, value_cache, block_tables, seq_lens, window, out):
+    def _decode_loops(
+        q, key_cache, value_cache, block_tables, seq_lens, window, key_scale, value_scale, out
+    ):
         """q [seqs, heads, dim] fp32, already scaled; caches [blocks, kv_heads, block_size,
-        dim] fp32 or uint16 (bf16 words); block_tables [seqs, max_blocks] int32; seq_lens
-        [seqs] int32; window 0 for none; out [seqs, heads, dim] fp32."""
+        dim] fp32, uint16 (bf16 words) or uint8 (fp8 e4m3 bytes); block_tables [seqs,
+        max_blocks] int32; seq_lens [seqs] int32; window 0 for none; key_scale / value_scale
+        fp32, an fp8 cache's scales (unused otherwise); out [seqs, heads, dim] fp32."""
         num_seqs, num_heads, dim = q.shape
         num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -158,7 +191,7 @@ if numba is not None:
                 start = block_index * block_size
                 lo = max(first_key - start, 0)
                 hi = min(seq_len - start, block_size)
-                keys = _block_as_float32(key_cache, block, kv_head, scratch)
+                keys = _block_as_float32(key_cache, block, kv_head, scratch, key_scale)
                 for g in range(group):
                     block_max = np.float32(-np.inf)
                     for token in range(lo, hi):
@@ -179,7 +212,7 @@ if numba is not None:
                     if correction != 1.0:
                         for d in range(dim):
                             acc[g, d] *= correction
-                values = _block_as_float32(value_cache, block, kv_head, scratch)
+                values = _block_as_float32(value_cache, block, kv_head, scratch, value_scale)
                 for g in range(group):
                     for token in range(lo, hi):
                         weight = weights[g, token]
@@ -206,7 +239,11 @@ if numba is not None:
 def _as_numpy(cache: torch.Tensor) -> np.ndarray:
     if cache.dtype == torch.bfloat16:
         return cache.view(torch.int16).numpy().view(np.uint16)
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).numpy()
     return cache.numpy()
+
+
 
 
 def _check_arguments(q, key_cache, value_cache, block_tables, seq_lens, out) -> None:
@@ -254,13 +291,15 @@ def cpu_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached keys, as
     kernels/reference.py's `decode_attention_reference` defines it.
 
     q [num_seqs, num_heads, head_dim] (fp32 or bf16; the token at position seq_len - 1, whose
-    key is already in the cache); caches [num_blocks, num_kv_heads, block_size, head_dim], fp32
-    or bf16, contiguous; block_tables [num_seqs, max_blocks] int32 with at least
+    key is already in the cache); caches [num_blocks, num_kv_heads, block_size, head_dim], fp32,
+    bf16 or fp8 (float8_e4m3fn: read as float(byte) x k_scale / v_scale), contiguous; block_tables [num_seqs, max_blocks] int32 with at least
     ceil(seq_len / block_size) valid entries per row (unchecked: the kernel trusts them);
     seq_lens [num_seqs] int32 (0: padding, output zeros). Returns `out` (allocated when None).
     """
@@ -285,7 +324,8 @@ def cpu_decode_attention(
             torch.set_num_threads(threads)
         _decode_kernel(
             query.numpy(), _as_numpy(key_cache), _as_numpy(value_cache), tables.numpy(),
-            lens.numpy(), sliding_window or 0, result.numpy(),
+            lens.numpy(), sliding_window or 0, np.float32(k_scale), np.float32(v_scale),
+            result.numpy(),
         )
     if result is not out:
         out.copy_(result)

@@ -14,6 +14,8 @@ that fits the device's shared memory and divides the plan's (every power of two 
 Splits cover [kv_start, seq_len), where kv_start = max(0, seq_len - sliding_window) when there
 is a window, so a windowed sequence reads only the keys it can see. A sequence of length 0
 (padding) gets zeros; so does a split that lies past its sequence's end, with weight 0.
+An fp8 cache's keys and values are read as float(x) * k_scale / v_scale, rounded to the
+query's dtype, before they enter the products (kernels/reference.py's `from_cache`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import (
+    FP8_CACHE_DTYPES,
     LOG2_E,
     MIN_DOT_DIM,
     NO_WINDOW,
@@ -32,6 +35,8 @@ from pdserve.kernels.launch import (
     check_index,
     check_paged_cache,
     check_rows,
+    check_rows_for_cache,
+    check_scales,
     dot_dim,
     dot_operands,
     kernel_runs_on,
@@ -98,6 +103,8 @@ def _decode_attention_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     scale_log2,
+    k_scale,
+    v_scale,
     sliding_window,
     tokens_per_split,
     stride_q_seq,
@@ -118,6 +125,7 @@ def _decode_attention_kernel(
     WRITE_PARTIAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -154,6 +162,8 @@ def _decode_attention_kernel(
         )
         kv_mask = valid[:, None] & dim_mask[None, :]
         keys = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            keys = (keys.to(tl.float32) * k_scale).to(q_ptr.dtype.element_ty)
         scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         scores = scores * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -162,6 +172,8 @@ def _decode_attention_kernel(
         weights = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * correction + tl.sum(weights, 1)
         values = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            values = (values.to(tl.float32) * v_scale).to(q_ptr.dtype.element_ty)
         acc = acc * correction[:, None] + tl.dot(
             weights.to(values.dtype).to(DOT_DTYPE),
             values.to(DOT_DTYPE),
@@ -235,6 +247,8 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     plan: SplitPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's last token over its cached keys.
 
@@ -244,13 +258,16 @@ def decode_attention(
     entries per row; seq_lens [num_seqs] int32 (0: padding, output zeros).
     Returns `out` [num_seqs, num_heads, head_dim] (allocated when None).
     plan None: derived from seq_lens' maximum, which costs a device sync.
+    An fp8 cache (q in a compute dtype) is read as float(x) * k_scale / v_scale; other caches
+    ignore the scales.
     """
     check_paged_cache(key_cache, value_cache)
     _, num_kv_heads, block_size, head_dim = key_cache.shape
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_heads, _ = q.shape
-    check_rows("q", q, num_heads, head_dim, key_cache)
+    check_rows_for_cache("q", q, num_heads, head_dim, key_cache)
+    check_scales(k_scale, v_scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     out = torch.empty_like(q) if out is None else out
@@ -268,7 +285,8 @@ def decode_attention(
         return out
     if not kernel_runs_on(_decode_attention_kernel, q.device):
         return decode_attention_reference(
-            q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, out
+            q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, out,
+            k_scale, v_scale,
         )
     if plan is None:
         processors = (
@@ -302,6 +320,8 @@ def decode_attention(
             partial_out,
             partial_lse,
             scale * LOG2_E,
+            k_scale,
+            v_scale,
             sliding_window or NO_WINDOW,
             plan.tokens_per_split,
             q.stride(0),
@@ -322,6 +342,7 @@ def decode_attention(
             WRITE_PARTIAL=write_partial,
             DOT_DTYPE=dot_dtype,
             DOT_PRECISION=precision,
+            KV_FP8=key_cache.dtype in FP8_CACHE_DTYPES,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

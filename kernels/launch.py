@@ -13,7 +13,12 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# An fp8 cache stores x / scale in one byte and is read as float(x) * scale (reference.py);
+# queries, keys and values given to the kernels stay in a compute dtype.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+CACHE_DTYPES = (*COMPUTE_DTYPES, *FP8_CACHE_DTYPES)
 INDEX_DTYPES = (torch.int32, torch.int64)
 LOG2_E = 1.4426950408889634
 # Passed as the window when there is none: wider than any sequence, so the window's mask and
@@ -93,16 +98,46 @@ def check_paged_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
 
 def check_rows(name: str, tensor: torch.Tensor, heads: int, head_dim: int, like: torch.Tensor):
     """`tensor` is [tokens, heads, head_dim] with contiguous head_dim, on `like`'s device/dtype."""
+    _check_rows(name, tensor, heads, head_dim, like.dtype, like.device)
+
+
+def check_rows_for_cache(
+    name: str, tensor: torch.Tensor, heads: int, head_dim: int, cache: torch.Tensor
+) -> None:
+    """`check_rows` against `cache`, except that an fp8 cache takes rows of any compute dtype
+    (they are converted when stored, and the cache converted when read)."""
+    dtype = cache.dtype
+    if dtype in FP8_CACHE_DTYPES:
+        if tensor.dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"{name} is {tensor.dtype}; over an fp8 cache it must be one of {COMPUTE_DTYPES}"
+            )
+        dtype = tensor.dtype
+    _check_rows(name, tensor, heads, head_dim, dtype, cache.device)
+
+
+def _check_rows(
+    name: str,
+    tensor: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     if tensor.dim() != 3 or tensor.shape[1:] != (heads, head_dim):
         raise ValueError(
             f"{name} must be [tokens, {heads}, {head_dim}], got {tuple(tensor.shape)}"
         )
     if tensor.stride(-1) != 1:
         raise ValueError(f"{name} head_dim must be contiguous, strides are {tensor.stride()}")
-    if tensor.dtype != like.dtype or tensor.device != like.device:
-        raise ValueError(
-            f"{name} is {tensor.dtype} on {tensor.device}; expected {like.dtype} on {like.device}"
-        )
+    if tensor.dtype != dtype or tensor.device != device:
+        raise ValueError(f"{name} is {tensor.dtype} on {tensor.device}; expected {dtype} on {device}")
+
+
+def check_scales(k_scale: float, v_scale: float) -> None:
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not 0 < scale < float("inf"):
+            raise ValueError(f"{name} must be positive and finite, got {scale}")
 
 
 def check_index(name: str, tensor: torch.Tensor, dims: int, device: torch.device) -> None:

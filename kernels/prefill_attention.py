@@ -13,6 +13,8 @@ with an online softmax in fp32. A tile may span several cache blocks: each key p
 its block up in the table. Programs past their sequence's query length write nothing.
 BLOCK_M, BLOCK_N and the pipeline depth come from kernels/tiles.py: the largest that fit the
 device's shared memory for this dtype and head dim, unless the caller names the tile sizes.
+An fp8 cache's keys and values are read as float(x) * k_scale / v_scale, rounded to the
+query's dtype (kernels/reference.py's `from_cache`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.launch import (
+    FP8_CACHE_DTYPES,
     LOG2_E,
     NO_WINDOW,
     check_index,
     check_paged_cache,
     check_rows,
+    check_rows_for_cache,
+    check_scales,
     dot_dim,
     dot_operands,
     kernel_runs_on,
@@ -50,6 +55,8 @@ def _prefill_attention_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    k_scale,
+    v_scale,
     sliding_window,
     stride_q_token,
     stride_q_head,
@@ -67,6 +74,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     tile_start = tl.program_id(1) * BLOCK_M
@@ -113,6 +121,8 @@ def _prefill_attention_kernel(
         )
         kv_mask = in_range[:, None] & dim_mask[None, :]
         keys = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            keys = (keys.to(tl.float32) * k_scale).to(q_ptr.dtype.element_ty)
         scores = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         scores = scores * scale_log2
         visible = (
@@ -129,6 +139,8 @@ def _prefill_attention_kernel(
         weights = tl.exp2(scores - shift[:, None])
         running_sum = running_sum * correction + tl.sum(weights, 1)
         values = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            values = (values.to(tl.float32) * v_scale).to(q_ptr.dtype.element_ty)
         acc = acc * correction[:, None] + tl.dot(
             weights.to(values.dtype).to(DOT_DTYPE),
             values.to(DOT_DTYPE),
@@ -158,6 +170,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of every new token of every sequence over its cached prefix and its own chunk.
 
@@ -169,13 +183,16 @@ def prefill_attention(
     grid). Returns `out` [tokens, num_heads, head_dim] (allocated when None).
     block_m / block_n: tile sizes (powers of two >= 16); None picks the largest that fit the
     device (kernels/tiles.py), stepping down if Triton refuses them.
+    An fp8 cache (q in a compute dtype) is read as float(x) * k_scale / v_scale; other caches
+    ignore the scales.
     """
     check_paged_cache(key_cache, value_cache)
     _, num_kv_heads, block_size, head_dim = key_cache.shape
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
     num_heads = q.shape[1]
-    check_rows("q", q, num_heads, head_dim, key_cache)
+    check_rows_for_cache("q", q, num_heads, head_dim, key_cache)
+    check_scales(k_scale, v_scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     out = torch.empty_like(q) if out is None else out
@@ -201,7 +218,7 @@ def prefill_attention(
     if not kernel_runs_on(_prefill_attention_kernel, q.device):
         return prefill_attention_reference(
             q, key_cache, value_cache, block_tables, query_start, seq_lens, scale,
-            sliding_window, out,
+            sliding_window, out, k_scale, v_scale,
         )
     dot_dtype, precision = dot_operands(q.dtype, _prefill_attention_kernel)
 
@@ -216,6 +233,8 @@ def prefill_attention(
             seq_lens,
             out,
             scale * LOG2_E,
+            k_scale,
+            v_scale,
             sliding_window or NO_WINDOW,
             q.stride(0),
             q.stride(1),
@@ -233,6 +252,7 @@ def prefill_attention(
             BLOCK_N=tiles.block_n,
             DOT_DTYPE=dot_dtype,
             DOT_PRECISION=precision,
+            KV_FP8=key_cache.dtype in FP8_CACHE_DTYPES,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

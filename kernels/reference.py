@@ -7,12 +7,31 @@ one's keys by its block table, and computes a masked softmax in fp32.
 Shared conventions (see the kernel files for the interfaces):
   caches are [num_blocks, num_kv_heads, block_size, head_dim]; slot = block * block_size + offset;
   query head h reads KV head h // (num_heads // num_kv_heads);
-  a query at position p sees keys at positions <= p, and > p - sliding_window when there is one.
+  a query at position p sees keys at positions <= p, and > p - sliding_window when there is one;
+  an fp8 cache (float8_e4m3fn) stores fp8(clamp(x / scale, +-fp8 max)) and is read as
+  float(stored) * scale, with one key scale and one value scale per call (vLLM's semantics).
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What a cache of `cache_dtype` stores for `x`: an fp8 cache x / scale, clamped to its
+    range, computed in fp32; any other cache x itself."""
+    if cache_dtype not in FP8_CACHE_DTYPES:
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(cache_dtype)
+
+
+def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """What stored cache elements mean, in fp32."""
+    values = stored.float()
+    return values * scale if stored.dtype in FP8_CACHE_DTYPES else values
 
 
 def store_kv_reference(
@@ -21,13 +40,15 @@ def store_kv_reference(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     block_size = key_cache.shape[2]
     written = slot_mapping >= 0
     slots = slot_mapping[written].long()
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets] = key[written]
-    value_cache[blocks, :, offsets] = value[written]
+    key_cache[blocks, :, offsets] = to_cache(key[written], key_cache.dtype, k_scale)
+    value_cache[blocks, :, offsets] = to_cache(value[written], value_cache.dtype, v_scale)
 
 
 def gather_sequence(cache: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:
@@ -69,6 +90,8 @@ def decode_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [num_seqs, heads, dim]: each sequence's last token (position seq_len - 1) -> out."""
     out = torch.empty_like(q) if out is None else out
@@ -77,8 +100,8 @@ def decode_attention_reference(
         if seq_len == 0:
             out[i] = 0
             continue
-        keys = gather_sequence(key_cache, tables[i], seq_len)
-        values = gather_sequence(value_cache, tables[i], seq_len)
+        keys = from_cache(gather_sequence(key_cache, tables[i], seq_len), k_scale)
+        values = from_cache(gather_sequence(value_cache, tables[i], seq_len), v_scale)
         position = torch.tensor([seq_len - 1], device=q.device)
         out[i] = attend(q[i : i + 1], keys, values, position, scale, sliding_window)[0]
     return out
@@ -94,6 +117,8 @@ def prefill_attention_reference(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [tokens, heads, dim]; sequence i's queries are rows query_start[i]:query_start[i+1], at
     the last positions of its seq_lens[i] tokens, whose keys are all in the cache -> out."""
@@ -104,14 +129,15 @@ def prefill_attention_reference(
         begin, end = starts[i], starts[i + 1]
         if begin == end:
             continue
-        keys = gather_sequence(key_cache, tables[i], seq_len)
-        values = gather_sequence(value_cache, tables[i], seq_len)
+        keys = from_cache(gather_sequence(key_cache, tables[i], seq_len), k_scale)
+        values = from_cache(gather_sequence(value_cache, tables[i], seq_len), v_scale)
         positions = torch.arange(seq_len - (end - begin), seq_len, device=q.device)
         out[begin:end] = attend(q[begin:end], keys, values, positions, scale, sliding_window)
     return out
 
 
 def copy_blocks_reference(buffer: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """buffer [num_layers, 2, num_blocks, ...]: block src[i] -> block dst[i], every layer."""
+    """buffer [num_layers, 2, num_blocks, ...]: block src[i] -> block dst[i], every layer (any
+    dtype: fp8 buffers move as they are)."""
     buffer[:, :, dst.long()] = buffer[:, :, src.long()]
 

@@ -25,6 +25,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 MAX_DESCRIPTOR_BYTES = 64 << 10
 

@@ -17,8 +17,9 @@ tokens, its abort, its failure); joined, every choice takes the transferred bloc
              request that fails the step on its own (engine.llm_engine.StepFailure names it;
              the engine already ended it) gets RequestFailed 500, or 400 if its structured
              output spec did not compile (GrammarError), and the others run again on the
-             next step; any other exception fails every active request (500) and aborts
-             it, and the node goes on.
+             next step; a failed tensor-parallel rank (RankFailure) stops the node, whose
+             requests the router then fails or retries as for any node that died; any other
+             exception fails every active request (500) and aborts it, and the node goes on.
 `step()` and the others return the messages for the router; the node sends them.
 """
 
@@ -28,6 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.distributed.group import RankFailure
 from pdserve.engine.forks import join_prefilled_choices
 from pdserve.engine.llm_engine import LLMEngine, StepFailure
 from pdserve.engine.outputs import StepOutput
@@ -213,6 +215,8 @@ class Generation:
                 self.active.discard(request_id)
                 failed.append(step_failure(request_id, error, "generating"))
             return failed
+        except RankFailure:  # a tensor-parallel rank is gone: the node stops (docstring)
+            raise
         except Exception:  # fail the requests, keep the node
             logger.exception("engine step failed; failing %d in-flight requests", len(self.active))
             return self._fail_all("engine error while generating")

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import zmq
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.config import NodeConfig
 from pdserve.node.heartbeat import HeartbeatThread
@@ -49,6 +50,18 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
 MAX_OUTBOX = 100_000
+
+
+def refuse_tensor_parallel(engine_config: EngineConfig, role: str) -> None:
+    """ValueError for tensor parallelism on a node that moves KV to or from another node:
+    a transfer moves one rank's KV cache, and each prefill rank shipping its shard to the
+    matching decode rank is not built yet."""
+    if engine_config.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {engine_config.tensor_parallel_size} is not supported for "
+            f"{role} nodes yet: disaggregated serving moves the KV cache of one rank; use a "
+            "colocated node (`pdserve serve --colocated`) for tensor parallelism"
+        )
 
 
 class NodeRuntime:

@@ -40,7 +40,7 @@ from pdserve.kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConf
 from pdserve.kvtransfer.fingerprint import model_fingerprint
 from pdserve.node.config import NodeConfig
 from pdserve.node.generation import choice_params, request_params, step_failure
-from pdserve.node.runtime import NodeRuntime
+from pdserve.node.runtime import NodeRuntime, refuse_tensor_parallel
 from pdserve.prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
 from pdserve.wire.messages import (
     Abort,
@@ -79,6 +79,7 @@ class PrefillNode(NodeRuntime):
     role = "prefill"
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
+        refuse_tensor_parallel(engine_config, self.role)
         engine = LLMEngine(engine_config)
         super().__init__(engine=engine, config=config)
         self.transport = config.kv_transport

@@ -22,9 +22,11 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 PROCESS_MODULES = (
     "e2e/*.py",
+    "engine/test_tensor_parallel.py",
     "faults/*.py",
     "bench/test_burst.py",
     "bench/test_serve_run.py",
+    "bench/test_tensor_parallel_bench.py",
     "cli/test_launcher.py",
     "cli/test_packaging.py",
     "cli/test_plan.py",
@@ -35,6 +37,7 @@ PROCESS_MODULES = (
     "kvtransfer/test_mooncake.py",
     "kvtransfer/test_processes.py",
     "nodes/test_colocated_node.py",
+    "nodes/test_colocated_tensor_parallel.py",
     "wire/test_cluster_secret.py",
 )
 SLOW_MODULES = (
@@ -42,6 +45,7 @@ SLOW_MODULES = (
     "engine/test_admission.py",
     "engine/test_bf16_cpu.py",
     "engine/test_disaggregated_engine.py",
+    "engine/test_fp8_kv_cache.py",
     "engine/test_greedy_parity.py",
     "engine/test_hostile_requests.py",
     "engine/test_penalties.py",
@@ -49,9 +53,12 @@ SLOW_MODULES = (
     "engine/test_prefix_caching.py",
     "engine/test_sampling.py",
     "engine/test_structured_output.py",
+    "kernels/test_fp8_kernels.py",
     "kernels/test_prefill_attention.py",
     "kernels/test_triton_parity.py",
+    "kvtransfer/test_fp8_transfer.py",
     "nodes/test_disaggregated_nodes.py",
+    "nodes/test_fp8_disaggregated_nodes.py",
     "nodes/test_node_heartbeat.py",
 )
 

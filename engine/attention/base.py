@@ -2,7 +2,8 @@
 
 The model runner calls `prepare(batch)` once per step (building whatever index tensors the
 backend needs, shared by all layers), then every layer calls `forward(layer, q, k, v, metadata)`,
-which stores the step's keys and values into the paged cache at `batch.slot_mapping` and returns
+which stores the step's keys and values into the paged cache at `batch.slot_mapping` (an fp8
+cache: divided by the layer's scale in `kv_scales`, engine/kv_scales.py) and returns
 attention outputs for every token of the flat batch: full attention over each sequence's cached
 context, causal within its new tokens, grouped-query heads sharing their KV head.
 """
@@ -15,6 +16,7 @@ import torch
 
 from pdserve.engine.batch import FlatBatch
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_scales import KVScales
 
 
 def count_leading_decodes(batch: FlatBatch) -> int:
@@ -36,6 +38,7 @@ class AttentionBackend(ABC):
         num_kv_heads: int,
         head_dim: int,
         sliding_window: int | None,
+        kv_scales: KVScales | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
@@ -43,6 +46,12 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        num_layers = kv_cache.spec.num_layers
+        self.kv_scales = kv_scales or KVScales.ones(num_layers)
+        if len(self.kv_scales.k) != num_layers:
+            raise ValueError(
+                f"{len(self.kv_scales.k)} KV scales for a cache of {num_layers} layers"
+            )
 
     @abstractmethod
     def prepare(self, batch: FlatBatch) -> object:

@@ -2,7 +2,7 @@
 which reads every decoding sequence's blocks in place through its block table.
 
 `CpuDecodeKernel.for_cache` returns None where that kernel cannot run (not a CPU cache, a
-dtype other than fp32 or bf16, numba not installed), and the backend keeps its gather path
+dtype other than fp32, bf16 or fp8 e4m3, numba not installed), and the backend keeps its gather path
 (`TorchAttentionBackend._decode`), which is also the kernel's reference in the tests. Built
 once per backend; it compiles the kernel for the cache's dtype right away (or loads numba's
 on-disk cache: a fraction of a second), so no decode step pays the compile.
@@ -16,6 +16,7 @@ import torch
 
 from pdserve.engine.batch import FlatBatch
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_scales import KVScales, is_fp8
 
 
 @dataclass
@@ -29,17 +30,29 @@ class PagedDecode:
 
 
 class CpuDecodeKernel:
-    def __init__(self, block_size: int, scale: float, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KVScales | None = None,
+    ) -> None:
         from pdserve.kernels.cpu_decode_attention import cpu_decode_attention
 
         self.block_size = block_size
         self.scale = scale
         self.sliding_window = sliding_window
+        self.kv_scales = kv_scales
         self._kernel = cpu_decode_attention
 
     @classmethod
     def for_cache(
-        cls, kv_cache: KVCache, num_heads: int, scale: float, sliding_window: int | None
+        cls,
+        kv_cache: KVCache,
+        num_heads: int,
+        scale: float,
+        sliding_window: int | None,
+        kv_scales: KVScales | None = None,
     ) -> CpuDecodeKernel | None:
         """The kernel for this cache, compiled; None where it cannot run."""
         spec = kv_cache.spec
@@ -49,16 +62,18 @@ class CpuDecodeKernel:
 
         if not cpu_decode_attention_available(spec.dtype):
             return None
-        kernel = cls(spec.block_size, scale, sliding_window)
+        kernel = cls(spec.block_size, scale, sliding_window, kv_scales)
         kernel.compile(kv_cache, num_heads)
         return kernel
 
     def compile(self, kv_cache: KVCache, num_heads: int) -> None:
         """One call on a single-token sequence in block 0 (its output is thrown away)."""
         key_cache, value_cache = kv_cache.key_cache(0), kv_cache.value_cache(0)
-        q = torch.zeros(1, num_heads, kv_cache.spec.head_dim, dtype=kv_cache.spec.dtype)
+        dtype = torch.float32 if is_fp8(kv_cache.spec.dtype) else kv_cache.spec.dtype
+        q = torch.zeros(1, num_heads, kv_cache.spec.head_dim, dtype=dtype)
         one = torch.ones(1, 1, dtype=torch.int32)
-        self.attend(q, key_cache, value_cache, PagedDecode(1, one - 1, one[0]), torch.empty_like(q))
+        decode = PagedDecode(1, one - 1, one[0])
+        self.attend(0, q, key_cache, value_cache, decode, torch.empty_like(q))
 
     def prepare(self, batch: FlatBatch, num_decodes: int) -> PagedDecode:
         seq_lens = batch.seq_lens[:num_decodes]
@@ -76,13 +91,16 @@ class CpuDecodeKernel:
 
     def attend(
         self,
+        layer: int,
         q: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         decode: PagedDecode,
         out: torch.Tensor,
     ) -> None:
+        k_scale = self.kv_scales.k[layer] if self.kv_scales else 1.0
+        v_scale = self.kv_scales.v[layer] if self.kv_scales else 1.0
         self._kernel(
             q, key_cache, value_cache, decode.block_tables, decode.seq_lens, self.scale,
-            self.sliding_window, out,
+            self.sliding_window, out, k_scale, v_scale,
         )

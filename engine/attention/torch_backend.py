@@ -11,6 +11,12 @@ heads - the query heads sharing a KV head form one small matrix, so each key is 
 a softmax segmented by sequence (per-sequence max, then sums by `index_add_`) combines them. Every other sequence (a prefill chunk) is attended on its own with
 SDPA: causal when it has no cached context (using its fresh keys, without touching the cache),
 else with an explicit mask (full over the context, causal within the chunk).
+
+An fp8 cache (engine/kv_scales.py) stores the step's keys and values divided by the layer's
+scales, as bytes (torch has no fp8 index_copy_ on the CPU), and every read multiplies them back.
+A chunk without context then attends its fresh keys after that same round trip - what the cache
+holds - so a prompt's attention does not depend on how it was chunked, on which node, or
+whether its prefix came from the prefix cache.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
 from pdserve.engine.attention.cpu_decode import CpuDecodeKernel, PagedDecode
 from pdserve.engine.batch import FlatBatch
+from pdserve.engine.kv_scales import dequantize, is_fp8, quantize
 
 
 @dataclass
@@ -64,10 +71,16 @@ def allowed_keys(
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, kv_cache, num_heads, num_kv_heads, head_dim, sliding_window) -> None:
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, sliding_window)
+    def __init__(
+        self, kv_cache, num_heads, num_kv_heads, head_dim, sliding_window, kv_scales=None
+    ) -> None:
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, sliding_window, kv_scales)
+        self.cache_dtype = kv_cache.spec.dtype
+        self.fp8 = is_fp8(self.cache_dtype)
         # The compiled in-place decode on the CPU; None: the gather path (`_decode`).
-        self.cpu_decode = CpuDecodeKernel.for_cache(kv_cache, num_heads, self.scale, sliding_window)
+        self.cpu_decode = CpuDecodeKernel.for_cache(
+            kv_cache, num_heads, self.scale, sliding_window, self.kv_scales
+        )
 
     def prepare(self, batch: FlatBatch) -> TorchAttentionMetadata:
         device = batch.input_ids.device
@@ -133,7 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
         keys = torch.tensor(key_positions, device=device)[:, None] + offsets
         queries = torch.tensor(query_positions, device=device)[:, None]
         allowed = allowed_keys(queries, keys, self.sliding_window)
-        bias = torch.zeros(allowed.shape, dtype=self.kv_cache.spec.dtype, device=device)
+        bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
         bias.masked_fill_(~allowed, float("-inf"))
         return DecodeBlocks(
             num_seqs=num_decodes,
@@ -145,32 +158,51 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         key_cache = self.kv_cache.key_cache(layer)
         value_cache = self.kv_cache.value_cache(layer)
+        k_scale, v_scale = self.kv_scales.k[layer], self.kv_scales.v[layer]
         rows, dim = metadata.cache_rows, self.head_dim
-        key_cache.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim))
-        value_cache.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim))
+        if self.fp8:
+            # torch has no index_copy_ for fp8 on the CPU: store the bytes.
+            stored_k = quantize(k.reshape(-1, dim), self.cache_dtype, k_scale)
+            stored_v = quantize(v.reshape(-1, dim), self.cache_dtype, v_scale)
+            key_cache.view(torch.uint8).view(-1, dim).index_copy_(
+                0, rows, stored_k.view(torch.uint8)
+            )
+            value_cache.view(torch.uint8).view(-1, dim).index_copy_(
+                0, rows, stored_v.view(torch.uint8)
+            )
+            if metadata.prefills:  # a chunk without context attends what the cache holds
+                k = dequantize(stored_k, q.dtype, k_scale).view_as(k)
+                v = dequantize(stored_v, q.dtype, v_scale).view_as(v)
+        else:
+            key_cache.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim))
+            value_cache.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim))
 
         out = torch.empty_like(q)
         decode = metadata.decode
         if isinstance(decode, PagedDecode):
             n = decode.num_seqs
-            self.cpu_decode.attend(q[:n], key_cache, value_cache, decode, out[:n])
+            self.cpu_decode.attend(layer, q[:n], key_cache, value_cache, decode, out[:n])
         elif decode is not None:
             out[: decode.num_seqs] = self._decode(
-                q[: decode.num_seqs], key_cache, value_cache, decode
+                q[: decode.num_seqs], key_cache, value_cache, decode, k_scale, v_scale
             )
         for span in metadata.prefills:
             out[span.query_start:span.query_end] = self._prefill(
-                q, k, v, key_cache, value_cache, span
+                q, k, v, key_cache, value_cache, span, k_scale, v_scale
             )
         return out
 
-    def _decode(self, q, key_cache, value_cache, decode: DecodeBlocks) -> torch.Tensor:
+    def _decode(
+        self, q, key_cache, value_cache, decode: DecodeBlocks, k_scale=1.0, v_scale=1.0
+    ) -> torch.Tensor:
         num_seqs, heads, dim = decode.num_seqs, self.num_kv_heads, self.head_dim
         # In fp32 whatever the cache holds, rounded where SDPA's CPU kernel rounds 16-bit
         # attention (the scale after q.k, the softmax weights to q's dtype before they weight
         # the values): in bf16 that keeps greedy tokens on transformers' up to near-ties.
-        keys = key_cache.index_select(0, decode.block_ids).float()
-        values = value_cache.index_select(0, decode.block_ids).float()
+        keys = dequantize(key_cache.index_select(0, decode.block_ids), torch.float32, k_scale)
+        values = dequantize(
+            value_cache.index_select(0, decode.block_ids), torch.float32, v_scale
+        )
         grouped_q = q.float().view(num_seqs, heads, -1, dim)
         block_q = grouped_q.index_select(0, decode.seq_index)
         scores = torch.matmul(block_q, keys.transpose(-1, -2)).mul_(self.scale) + decode.bias
@@ -186,7 +218,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = out / denominator.unsqueeze(-1)
         return out.to(q.dtype).view(num_seqs, self.num_heads, dim)
 
-    def _prefill(self, q, k, v, key_cache, value_cache, span: PrefillSpan) -> torch.Tensor:
+    def _prefill(
+        self, q, k, v, key_cache, value_cache, span: PrefillSpan, k_scale=1.0, v_scale=1.0
+    ) -> torch.Tensor:
         query = q[span.query_start:span.query_end].transpose(0, 1).unsqueeze(0)
         if span.context_len == 0:
             keys = k[span.query_start:span.query_end].transpose(0, 1)
@@ -195,6 +229,9 @@ class TorchAttentionBackend(AttentionBackend):
             seq_len = span.context_len + span.query_end - span.query_start
             keys = self._gather_sequence(key_cache, span.block_index, seq_len)
             values = self._gather_sequence(value_cache, span.block_index, seq_len)
+            if self.fp8:
+                keys = dequantize(keys, q.dtype, k_scale)
+                values = dequantize(values, q.dtype, v_scale)
         out = F.scaled_dot_product_attention(
             query,
             keys.unsqueeze(0),

@@ -1,7 +1,8 @@
 """Triton paged attention: the GPU path.
 
 Each layer first writes the step's keys and values into the cache (`store_kv`), so both
-attention kernels read every key from the paged cache alone. Decode tokens (query length 1,
+attention kernels read every key from the paged cache alone (an fp8 cache: stored divided by
+the layer's scales, read multiplied by them, inside the kernels). Decode tokens (query length 1,
 first in the flat batch) go to split-KV decode attention; the prefill chunks after them go to
 varlen prefill/extend attention (full over the cached prefix, causal within the chunk).
 
@@ -23,6 +24,7 @@ import torch
 from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
 from pdserve.engine.batch import FlatBatch
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_scales import KVScales, is_fp8
 from pdserve.kernels.decode_attention import SplitPlan, decode_attention, plan_splits
 from pdserve.kernels.prefill_attention import prefill_attention
 from pdserve.kernels.store_kv import store_kv
@@ -63,13 +65,22 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         sliding_window: int | None,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, sliding_window)
+        super().__init__(kv_cache, num_heads, num_kv_heads, head_dim, sliding_window, kv_scales)
         device = kv_cache.buffer.device
         self.num_processors = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda" else 1
         )
+        if is_fp8(kv_cache.spec.dtype) and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 9):
+                raise ValueError(
+                    f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer (Triton's "
+                    f"fp8e4nv); {device} is {capability[0]}.{capability[1]}: use "
+                    "kv_cache_dtype 'auto'"
+                )
 
     def prepare(self, batch: FlatBatch) -> TritonAttentionMetadata:
         device = batch.input_ids.device
@@ -121,7 +132,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer, q, k, v, metadata: TritonAttentionMetadata) -> torch.Tensor:
         key_cache = self.kv_cache.key_cache(layer)
         value_cache = self.kv_cache.value_cache(layer)
-        store_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        k_scale, v_scale = self.kv_scales.k[layer], self.kv_scales.v[layer]
+        store_kv(k, v, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         decode = metadata.decode
         if decode is not None:
@@ -135,6 +147,8 @@ class TritonAttentionBackend(AttentionBackend):
                 self.sliding_window,
                 out=out[: decode.num_seqs],
                 plan=decode.plan,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         prefill = metadata.prefill
         if prefill is not None:
@@ -149,5 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 self.sliding_window,
                 out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out

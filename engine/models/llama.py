@@ -4,6 +4,11 @@ One forward serves prefill chunks, decodes and mixed steps: the batch is a flat 
 no padding, and attention reads and writes the paged KV cache through the attention backend.
 Differences between the family members are config flags: qkv bias (Qwen2), q/k RMSNorm over
 the head dimension before rope (Qwen3), tied embeddings, sliding window (Mistral).
+
+Under tensor parallelism (`layout` of more than one rank) each rank builds its shard of every
+layer (engine/distributed/layout.py) and loads its part of each HF tensor (`_SPLITS`); the
+row-parallel o/down projections and the vocabulary-parallel embedding all-reduce, and the head's
+logits are gathered to rank 0, the only rank whose forward returns them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.distributed.group import RankGroup
+from pdserve.engine.distributed.layout import ShardLayout
 from pdserve.engine.layers.linear import FusedLinear, Linear
+from pdserve.engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding, take_shard
 from pdserve.engine.layers.rms_norm import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
@@ -29,23 +37,61 @@ _FUSED_SHARDS = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+# HF module suffix -> how a tensor-parallel rank takes its part (layers/parallel.py take_shard)
+_SPLITS = {
+    "self_attn.q_proj": ("rows", "q"),
+    "self_attn.k_proj": ("rows", "kv"),
+    "self_attn.v_proj": ("rows", "kv"),
+    "mlp.gate_proj": ("rows", "mlp"),
+    "mlp.up_proj": ("rows", "mlp"),
+    "self_attn.o_proj": ("columns", "q"),
+    "mlp.down_proj": ("columns", "mlp"),
+    "embed_tokens": ("rows", "vocab"),
+    "lm_head": ("rows", "vocab"),
+}
+
+
+def whole_model_layout(config: ModelConfig) -> ShardLayout:
+    """The layout of one rank holding everything."""
+    return shard_layout(config, 0, 1)
+
+
+def shard_layout(config: ModelConfig, rank: int, size: int) -> ShardLayout:
+    """Rank `rank`'s shard of `size`; ValueError naming the numbers when they do not divide."""
+    return ShardLayout.for_rank(
+        rank, size, config.num_heads, config.num_kv_heads, config.head_dim,
+        config.intermediate_size, config.vocab_size,
+    )
+
+
+def _row_linear(
+    in_features: int, out_features: int, bias: bool, group: RankGroup, dtype: torch.dtype | None
+) -> Linear:
+    if group.size == 1:
+        return Linear(in_features, out_features, bias, dtype=dtype)
+    return RowParallelLinear(in_features, out_features, bias, group, dtype=dtype)
 
 
 class Attention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype | None,
+        layout: ShardLayout,
+        group: RankGroup,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(
             config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias, dtype=dtype
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        self.o_proj = _row_linear(q_size, config.hidden_size, config.o_proj_bias, group, dtype)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, dtype) if config.qk_norm else None
@@ -78,14 +124,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype | None,
+        layout: ShardLayout,
+        group: RankGroup,
+    ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = layout.intermediate_size
         self.gate_up_proj = FusedLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias, dtype=dtype
+            config.hidden_size, [self.intermediate_size] * 2, bias=config.mlp_bias, dtype=dtype
         )
-        self.down_proj = Linear(
-            config.intermediate_size, config.hidden_size, config.mlp_bias, dtype=dtype
+        self.down_proj = _row_linear(
+            self.intermediate_size, config.hidden_size, config.mlp_bias, group, dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,11 +148,16 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_index: int, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        dtype: torch.dtype | None,
+        layout: ShardLayout,
+        group: RankGroup,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index, dtype)
-        self.mlp = MLP(config, dtype)
+        self.self_attn = Attention(config, layer_index, dtype, layout, group)
+        self.mlp = MLP(config, dtype, layout, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -112,20 +169,33 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, max_positions: int, dtype: torch.dtype | None = None
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype | None = None,
+        layout: ShardLayout | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         """Every parameter is created in `dtype` (None: torch's default) on the current device,
-        so a 16-bit model never exists in fp32; the rope tables stay fp32."""
+        so a 16-bit model never exists in fp32; the rope tables stay fp32. `layout` and
+        `group`: this rank's shard and its tensor-parallel group (None: the whole model)."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layout = layout = layout or whole_model_layout(config)
+        self.group = group = group or RankGroup.single()
+        if layout.size != group.size:
+            raise ValueError(f"a layout of {layout.size} ranks for a group of {group.size}")
+        if layout.size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, group, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype) for i in range(config.num_layers)
+            DecoderLayer(config, i, dtype, layout, group) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_positions)
         # Tied or not, the head keeps its own weight, packed for its kernel (layers/linear.py).
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, layout.vocab_rows, bias=False, dtype=dtype)
 
     def forward(
         self,
@@ -135,13 +205,20 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         metadata: object,
     ) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] for the flat batch's selected token positions."""
+        """Logits [len(logits_indices), vocab] for the flat batch's selected token positions;
+        under tensor parallelism on rank 0 only (the other ranks return None)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, backend, metadata)
         hidden = self.norm(hidden.index_select(0, logits_indices))
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.layout.size == 1:
+            return logits
+        logits = self.group.gather_last_dim(logits)
+        if logits is None or logits.shape[-1] == self.config.vocab_size:
+            return logits
+        return logits[:, : self.config.vocab_size].contiguous()
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step streams: every matrix and norm, not the embedding
@@ -162,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in hf_name:
                 continue
             module_path, _, param_name = hf_name.removeprefix("model.").rpartition(".")
+            if self.layout.size > 1:
+                tensor = self._rank_part(module_path, param_name, tensor)
             shard = None
             for suffix, (fused_name, index) in _FUSED_SHARDS.items():
                 if module_path.endswith(suffix):
@@ -190,6 +269,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:8]}")
         self._pack_linears()
+
+    def _rank_part(self, module_path: str, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole HF tensor (the whole tensor if it is replicated)."""
+        for suffix, (split, kind) in _SPLITS.items():
+            if module_path.endswith(suffix):
+                return take_shard(tensor, self.layout, split, kind, param_name)
+        return tensor
 
     def load_random_weights(self, generator: torch.Generator, std: float) -> None:
         """Dummy weights (load format "dummy"): every matrix and the embedding drawn from

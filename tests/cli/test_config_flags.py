@@ -31,6 +31,7 @@ from tests.cli.test_serve_flags import TEMPLATE, child_configs, planned_router, 
 # option fails test_every_option_has_a_case until it gets one here.
 ENGINE_CASES = {
     "dtype": (["--dtype", "float16"], "float16"),
+    "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8_e4m3"),  # vLLM's alias, normalized
     "load_format": (["--load-format", "dummy"], "dummy"),
     "block_size": (["--block-size", "32"], 32),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "300"], 300),
@@ -39,6 +40,7 @@ ENGINE_CASES = {
     "kv_cache_memory": (["--kv-cache-memory", "1048576"], 1 << 20),
     "num_kv_blocks": (["--num-kv-blocks", "40"], 40),
     "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
+    "tensor_parallel_size": (["--tensor-parallel-size", "2"], 2),
     "attention_backend": (["--attention-backend", "triton"], "triton"),
     "cuda_graphs": (["--enforce-eager"], False),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False),

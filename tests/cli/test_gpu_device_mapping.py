@@ -131,3 +131,13 @@ def test_serve_device_flags_reach_each_nodes_engine_config(monkeypatch):
         assert (config.attention_backend, config.cuda_graphs) == ("triton", False)
         assert (config.gpu_memory_utilization, config.processes_on_device) == (0.7, 2)
         assert config.load_format == "dummy"
+
+
+def test_a_tensor_parallel_colocated_node_sees_one_gpu_per_rank(monkeypatch):
+    fake_gpus(monkeypatch, 4, "3,1,0,2")
+    (node,) = plan("--colocated", "-tp", "2")
+    assert visible_in(node) == ["3", "1"]  # rank r runs on the node's cuda:r
+    assert setting(node, "engine", "processes_on_device") == 1
+    assert setting(node, "engine", "tensor_parallel_size") == 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size 8 needs as many GPUs; 4 are"):
+        plan("--colocated", "-tp", "8")

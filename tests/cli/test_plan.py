@@ -60,3 +60,44 @@ def test_the_command_prints_json_with_kv_bytes_per_token():
     data = json.loads(out.stdout)
     assert data["kv_bytes_per_token"] == 131072
     assert {s["tokens"]: s["kv_bytes"] for s in data["sequences"]}[8192] == 1 << 30
+
+
+def test_an_fp8_kv_cache_doubles_bf16_concurrency_and_quadruples_fp32():
+    shape = KNOWN_MODELS["llama-3-8b"]
+    seq_lens = [1024, 8192, 32768]
+    for dtype, factor in (("bf16", 2), ("fp32", 4)):
+        model_dtype = plan_capacity(shape, dtype, 80 << 30, 0.1, seq_lens)
+        fp8 = plan_capacity(shape, dtype, 80 << 30, 0.1, seq_lens, kv_cache_dtype="fp8_e4m3")
+        assert fp8.kv_cache_dtype == "fp8_e4m3" and model_dtype.kv_cache_dtype == "auto"
+        assert fp8.kv_budget_bytes == model_dtype.kv_budget_bytes  # weights stay in dtype
+        assert fp8.kv_bytes_per_token * factor == model_dtype.kv_bytes_per_token
+        assert fp8.kv_bytes_per_token == 64 << 10
+        for wide, narrow in zip(model_dtype.sequences, fp8.sequences):
+            assert narrow.kv_bytes * factor == wide.kv_bytes
+            assert narrow.max_concurrency == fp8.kv_budget_bytes // (wide.kv_bytes // factor)
+            assert factor * wide.max_concurrency <= narrow.max_concurrency < factor * (
+                wide.max_concurrency + 1
+            )
+    assert plan_capacity(shape, "bf16", 80 << 30, 0.1, [1024], kv_cache_dtype="fp8") == (
+        plan_capacity(shape, "bf16", 80 << 30, 0.1, [1024], kv_cache_dtype="fp8_e4m3")
+    )
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
+        plan_capacity(shape, "bf16", 80 << 30, 0.1, [1024], kv_cache_dtype="int4")
+
+
+def test_the_command_takes_the_kv_cache_dtype_flag_generated_from_engine_config():
+    from pdserve.commands.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "--model", "llama-3-8b", "--kv-cache-dtype", "fp8"])
+    assert args.kv_cache_dtype == "fp8"
+    assert build_parser().parse_args(["plan", "--model", "x"]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--model", "x", "--kv-cache-dtype", "int4"])
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.commands.cli", "plan", "--model", "llama-3-8b", "--json",
+         "--kv-cache-dtype", "fp8_e4m3", "--seq-lens", "8192"],
+        capture_output=True, text=True, check=True,
+    )
+    data = json.loads(out.stdout)
+    assert data["kv_cache_dtype"] == "fp8_e4m3" and data["kv_bytes_per_token"] == 65536
+    assert data["sequences"][0]["max_concurrency"] == 114  # bf16 KV: 57

@@ -116,8 +116,8 @@ def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: pdserve runs each node"),
-        (["-tp", "4"], "--tensor-parallel-size 4"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs --colocated"),
+        (["-tp", "0"], "--tensor-parallel-size must be >= 1, got 0"),
         (["--generation-config", "auto"], "--generation-config auto: pdserve takes no default"),
         (["--chat-template", "no/such/template.jinja"], "neither a file nor a Jinja template"),
         (["--chat-template", "{% for %}"], "the chat template does not parse"),
@@ -180,3 +180,9 @@ def test_a_chat_template_given_replaces_the_model_folders(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir, chat_template=TEMPLATE)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tokenizer.decode(ids) == "<user>hi<assistant>"
+
+
+def test_tensor_parallel_size_reaches_the_colocated_node_with_its_threads():
+    args = serve_args(["/models/tiny", "--colocated", "-tp", "2", "--threads-per-node", "2"])
+    (config,) = node_engine_configs(args)
+    assert (config.tensor_parallel_size, config.num_threads) == (2, 2)  # 1 thread per rank

@@ -58,7 +58,7 @@ def engine_state(engine: LLMEngine) -> dict:
         "cached_blocks": manager.num_cached_blocks,
         "prefix_stats": repr(manager.prefix_cache.stats),
         "sequences": dict(engine.sequences),
-        "held": dict(engine.held_blocks),
+        "held": dict(engine.held_blocks.counts),
         "unfinished": engine.scheduler.num_unfinished,
         "preemptions": engine.scheduler.num_preemptions,
         "scheduling": engine.scheduling_stats(),

@@ -1,8 +1,9 @@
 """The CPU decode attention kernel (numba) equals the pure-torch reference within fp32
 tolerance: shuffled, non-contiguous block tables, lengths of 0, 1, a block, a block + 1 and
 long, GQA groups of 1, 3 and 8 query heads per KV head, head dims 64 and 128, with and without
-a sliding window, over fp32 and bf16 caches. The torch backend's decode with the kernel equals
-its gather path on a mixed batch, and falls back to that path when numba is missing."""
+a sliding window, over fp32 and bf16 caches, and over fp8 (e4m3) caches read times their key
+and value scales. The torch backend's decode with the kernel equals its gather path on a mixed
+batch (fp32 and fp8 with scales), and falls back to that path when numba is missing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv_scales import KVScales
 from pdserve.kernels import cpu_decode_attention as kernel_module
 from pdserve.kernels.cpu_decode_attention import cpu_decode_attention
 from pdserve.kernels.reference import decode_attention_reference
@@ -63,6 +65,52 @@ def test_kernel_equals_reference(num_kv_heads, group, head_dim, sliding_window, 
 
 
 @needs_numba
+@pytest.mark.parametrize("sliding_window", [None, 20], ids=["full", "window20"])
+def test_kernel_reads_an_fp8_cache_times_its_scales(sliding_window):
+    q, key_cache, value_cache, tables, lens = paged_case(LENGTHS, 2, 3, 64, torch.float32)
+    key_cache, value_cache = (c.to(torch.float8_e4m3fn) for c in (key_cache, value_cache))
+    out = torch.full(q.shape, 7.0)
+
+    cpu_decode_attention(
+        q, key_cache, value_cache, tables, lens, 0.125, sliding_window, out, 0.5, 3.0
+    )
+
+    expected = decode_attention_reference(
+        q, key_cache, value_cache, tables, lens, 0.125, sliding_window, k_scale=0.5, v_scale=3.0
+    )
+    unscaled = decode_attention_reference(
+        q, key_cache, value_cache, tables, lens, 0.125, sliding_window
+    )
+    torch.testing.assert_close(out, expected, **FP32)
+    assert not torch.allclose(out, unscaled, atol=1e-2), "the scales were not applied"
+
+
+@needs_numba
+def test_kernel_widens_every_fp8_code_exactly_subnormals_included():
+    """Values hold every non-NaN e4m3 byte (subnormals, zeros of both signs, +-448) and keys
+    are small, so every value weighs in the output; the kernel widens bytes by bit arithmetic."""
+    q, key_cache, value_cache, tables, lens = paged_case([300, 77], 1, 2, 64, torch.float32)
+    key_cache = (key_cache * 0.1).to(torch.float8_e4m3fn)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    picks = torch.randint(len(codes), value_cache.shape, generator=torch.Generator().manual_seed(1))
+    value_cache = codes[picks].view(torch.float8_e4m3fn)
+    assert value_cache.float().isfinite().all()
+
+    out = cpu_decode_attention(
+        q, key_cache, value_cache, tables, lens, 0.125, k_scale=1.5, v_scale=0.75
+    )
+
+    expected = decode_attention_reference(
+        q, key_cache, value_cache, tables, lens, 0.125, k_scale=1.5, v_scale=0.75
+    )
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    for code, value in ((0x01, 2.0**-9), (0x83, -3 * 2.0**-9), (0x08, 2.0**-6), (0x7E, 448.0)):
+        same = torch.full(value_cache.shape, code, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        out = cpu_decode_attention(q, key_cache, same, tables, lens, 0.125, v_scale=0.75)
+        torch.testing.assert_close(out, torch.full_like(out, value * 0.75), atol=0, rtol=1e-5)
+
+
+@needs_numba
 def test_kernel_writes_the_query_dtype_when_no_out_is_given():
     q, key_cache, value_cache, tables, lens = paged_case([40, 7], 2, 4, 64, torch.bfloat16)
 
@@ -111,11 +159,19 @@ def mixed_step_outputs(backend: TorchAttentionBackend, seed: int) -> torch.Tenso
 
 
 @needs_numba
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8-scaled"]
+)
 @pytest.mark.parametrize("sliding_window", [None, 24], ids=["full", "window24"])
-def test_backend_decode_with_the_kernel_equals_its_gather_path(sliding_window):
-    spec = KVCacheSpec(1, 3, 64, BLOCK_SIZE, torch.float32)
-    fused = TorchAttentionBackend(KVCache(spec, 40, torch.device("cpu")), 9, 3, 64, sliding_window)
-    gather = TorchAttentionBackend(KVCache(spec, 40, torch.device("cpu")), 9, 3, 64, sliding_window)
+def test_backend_decode_with_the_kernel_equals_its_gather_path(sliding_window, cache_dtype):
+    spec = KVCacheSpec(1, 3, 64, BLOCK_SIZE, cache_dtype)
+    scales = KVScales((0.25,), (2.0,)) if cache_dtype != torch.float32 else None
+
+    def backend() -> TorchAttentionBackend:
+        cache = KVCache(spec, 40, torch.device("cpu"))
+        return TorchAttentionBackend(cache, 9, 3, 64, sliding_window, scales)
+
+    fused, gather = backend(), backend()
     gather.cpu_decode = None
     assert fused.cpu_decode is not None
 
