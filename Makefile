@@ -36,7 +36,7 @@ serve: install
 	$(VENV)/bin/pdserve serve
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # In-process tests only (no server, node or peer process; nothing that takes seconds): < 1 min.
 test-fast: install

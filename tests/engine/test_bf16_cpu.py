@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_features import detect_cpu_features
 from pdserve.engine.layers.linear import Linear
-from pdserve.engine.llm_engine import LLMEngine
+from tests.engine.prompt_scoring import prompt_logprobs
 from tests.engine.test_greedy_parity import NEW_TOKENS, make_prompts, reference_greedy
 from tests.tiny_models import save_tiny_model, tiny_configs
 
@@ -72,23 +71,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def prompt_logprobs(model_dir: str, dtype: str, sequences, **config) -> list[torch.Tensor]:
-    """Per sequence, the logprob of each token after the first given the ones before it."""
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, **config))
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    for i, sequence in enumerate(sequences):
-        engine.add_request(str(i), sequence, params)
-    scored: dict[str, torch.Tensor] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
-            if output.prompt_logprobs is not None:
-                scored[output.request_id] = torch.tensor(
-                    [e.logprob for e in output.prompt_logprobs]
-                )
-    engine.check_integrity()
-    return [scored[str(i)] for i in range(len(sequences))]
-
-
 def test_bf16_greedy_tokens_follow_transformers_bf16_up_to_a_near_tie(family):
     model_dir, prompts, _ = family
     llm = LLM(model_dir, dtype="bfloat16")
@@ -110,9 +92,9 @@ def test_bf16_greedy_tokens_follow_transformers_bf16_up_to_a_near_tie(family):
 def test_bf16_logprobs_of_the_fp32_greedy_tokens_stay_within_the_bound(family):
     model_dir, prompts, fp32_tokens = family
     sequences = [prompt + tokens for prompt, tokens in zip(prompts, fp32_tokens)]
-    fp32 = prompt_logprobs(model_dir, "float32", sequences)
+    fp32 = prompt_logprobs(model_dir, sequences)
     for config in ({}, {"max_num_batched_tokens": 32}):
-        bf16 = prompt_logprobs(model_dir, "bfloat16", sequences, **config)
+        bf16 = prompt_logprobs(model_dir, sequences, dtype="bfloat16", **config)
         for prompt, want, got in zip(prompts, fp32, bf16):
             generated = slice(len(prompt) - 1, None)
             worst = float((got[generated] - want[generated]).abs().max())

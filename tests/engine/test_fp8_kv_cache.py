@@ -40,6 +40,7 @@ from pdserve.engine.block_moves import BlockStaging, copy_blocks, gather_blocks,
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_scales import KVScales, is_kv_scale_name, quantize
 from pdserve.engine.llm_engine import LLMEngine
+from tests.engine.prompt_scoring import prompt_logprobs
 from tests.engine.test_forked_choices import choices_of, lone_tokens, prompt_of, run
 from tests.engine.test_greedy_parity import make_prompts
 from tests.engine.test_preemption_modes import check_everything_returned, pressure_prompts
@@ -150,24 +151,6 @@ def test_an_engine_takes_its_checkpoints_scales_and_stores_x_over_scale(tiny_lla
         assert not torch.equal(
             expected.view(torch.uint8), quantize(exact[kv], FP8, 1.0).view(torch.uint8)
         ), "the scale must change what is stored"
-
-
-def prompt_logprobs(model_dir: str, sequences, **config) -> list[torch.Tensor]:
-    """Per sequence, the logprob of each token after the first given the ones before it."""
-    engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", **config))
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    for i, sequence in enumerate(sequences):
-        engine.add_request(str(i), sequence, params)
-    scored: dict[str, torch.Tensor] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
-            if output.prompt_logprobs is not None:
-                scored[output.request_id] = torch.tensor(
-                    [e.logprob for e in output.prompt_logprobs]
-                )
-    engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [scored[str(i)] for i in range(len(sequences))]
 
 
 def fp8_logprob_differences(model_dir: str, prompts) -> dict[str, float]:
