@@ -236,7 +236,9 @@ if numba is not None:
     _decode_kernel = _compile_lazily(_decode_loops)
 
 
-def _as_numpy(cache: torch.Tensor) -> np.ndarray:
+def cache_array(cache: torch.Tensor) -> np.ndarray:
+    """A layer's cache as the kernel reads it (shared memory, no copy): fp32 as is, bf16 as
+    its uint16 words, fp8 as its bytes. A caller may keep it for the cache's lifetime."""
     if cache.dtype == torch.bfloat16:
         return cache.view(torch.int16).numpy().view(np.uint16)
     if cache.dtype == torch.float8_e4m3fn:
@@ -315,6 +317,30 @@ def cpu_decode_attention(
     result = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    run_decode_kernel(
+        query.numpy(), cache_array(key_cache), cache_array(value_cache), tables.numpy(),
+        lens.numpy(), sliding_window, k_scale, v_scale, result.numpy(),
+    )
+    if result is not out:
+        out.copy_(result)
+    return out
+
+
+def run_decode_kernel(
+    query: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    sliding_window: int | None,
+    k_scale: float,
+    v_scale: float,
+    out: np.ndarray,
+) -> None:
+    """The compiled kernel on arrays `cpu_decode_attention` checked and converted: query fp32,
+    already scaled and contiguous; caches from `cache_array`; int32 tables and lengths; fp32
+    `out`. Nothing is checked here: a caller that calls it every layer of every step (the
+    torch backend) checks once and keeps the arrays (engine/attention/cpu_decode.py)."""
     threads = torch.get_num_threads()
     with _KERNEL_LOCK:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -323,10 +349,6 @@ def cpu_decode_attention(
             # thread count (torch's too) to NUMBA_NUM_THREADS: give torch its own back.
             torch.set_num_threads(threads)
         _decode_kernel(
-            query.numpy(), _as_numpy(key_cache), _as_numpy(value_cache), tables.numpy(),
-            lens.numpy(), sliding_window or 0, np.float32(k_scale), np.float32(v_scale),
-            result.numpy(),
+            query, key_cache, value_cache, block_tables, seq_lens, sliding_window or 0,
+            np.float32(k_scale), np.float32(v_scale), out,
         )
-    if result is not out:
-        out.copy_(result)
-    return out

@@ -191,3 +191,29 @@ def test_backend_keeps_the_gather_path_for_an_fp16_cache():
     spec = KVCacheSpec(1, 2, 64, BLOCK_SIZE, torch.float16)
     backend = TorchAttentionBackend(KVCache(spec, 4, torch.device("cpu")), 4, 2, 64, None)
     assert backend.cpu_decode is None
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backends_kernel_keeps_each_layers_arrays_and_still_equals_the_checked_call(dtype):
+    from pdserve.engine.attention.cpu_decode import CpuDecodeKernel, PagedDecode
+
+    kernel = CpuDecodeKernel(BLOCK_SIZE, 0.125, None)
+    q, key_cache, value_cache, tables, lens = paged_case(LENGTHS, 2, 3, 64, dtype)
+    decode = PagedDecode(len(lens), tables, lens)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):  # the first call checks; later ones read through its arrays
+        key_cache.copy_(torch.randn(key_cache.shape, generator=generator))  # the KV of a step
+        q = torch.randn(q.shape, generator=generator).to(dtype)
+        expected = cpu_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)
+        out = torch.empty_like(expected)
+        kernel.attend(1, q, key_cache, value_cache, decode, out)
+        assert torch.equal(out, expected), step
+        assert kernel._cache_arrays[1][0] == key_cache.data_ptr()
+    # Another buffer for the layer is checked again, not read through the kept arrays.
+    q, key_cache, value_cache, tables, lens = paged_case(LENGTHS, 2, 3, 64, dtype, seed=9)
+    with pytest.raises(ValueError, match="q must be"):
+        kernel.attend(
+            1, q[:, :5], key_cache, value_cache, PagedDecode(len(lens), tables, lens),
+            torch.empty_like(q[:, :5]),
+        )
