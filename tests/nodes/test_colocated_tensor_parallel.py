@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import zmq
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.wire.messages import Generate
+from tests.fault_checks import wait_until
 from tests.nodes.test_colocated_node import PROMPTS, READY_TIMEOUT, Router, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,8 @@ def test_a_two_rank_colocated_node_serves_the_one_rank_tokens_and_stops_its_work
             router.close()
     stderr = log_path.read_text()
     assert process.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+    wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers),
+        10,
+        "the rank-1 worker exiting with its node",
+    )
