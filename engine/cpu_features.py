@@ -18,6 +18,7 @@ counts as having neither.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,3 +71,11 @@ def detect_cpu_features() -> CpuFeatures:
         return features_from_cpuinfo(CPUINFO.read_text())
     except OSError:
         return CpuFeatures(False, False)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one). The
+    launcher, which imports nothing of the engine, keeps its own copy (commands/node_threads.py)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

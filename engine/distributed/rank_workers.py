@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from pdserve.engine.batch import FlatBatch
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_features import usable_cores
 from pdserve.engine.distributed.group import DEFAULT_TIMEOUT_S, RankFailure, RankGroup, open_store
 from pdserve.engine.distributed.messages import BlockSwap, Message, StepInputs, encode
 from pdserve.engine.kv_cache import KVCache
@@ -39,12 +40,6 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
 WORKER_MODULE = "pdserve.engine.distributed.worker"
-
-
-def usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def rank_threads(num_threads: int | None, size: int, device: torch.device) -> int | None:
