@@ -13,12 +13,12 @@ from pdserve.engine.preemption import PreemptionPolicy
 GREEDY = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
 
 
-def pressure_prompts(seed: int = 3) -> list[list[int]]:
-    """Eight prompts: pairs share a 40-token prefix (2.5 blocks), so preempted sequences hold
-    blocks that the prefix cache and their partner also hold."""
+def pressure_prompts(seed: int = 3, pairs: int = 4) -> list[list[int]]:
+    """`pairs` pairs of prompts sharing a 40-token prefix (2.5 blocks), so preempted sequences
+    hold blocks that the prefix cache and their partner also hold (copy-on-write)."""
     rng = random.Random(seed)
     prompts = []
-    for _ in range(4):
+    for _ in range(pairs):
         prefix = [rng.randrange(3, 500) for _ in range(40)]
         for _ in range(2):
             prompts.append(prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(5, 30))])

@@ -17,6 +17,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.distributed.group import RankFailure
+from tests.engine.test_preemption_modes import pressure_prompts
 from tests.tiny_models import save_tiny_model, tiny_configs
 
 PROMPT_LENGTHS = (3, 17, 40, 1, 70)
@@ -65,21 +66,10 @@ def test_two_ranks_give_the_greedy_tokens_of_one(model_dirs, kind):
         close_and_check_stopped(llm)
 
 
-def pressure_prompts(seed: int = 3) -> list[list[int]]:
-    """Pairs sharing a 40-token prefix: shared blocks (copy-on-write) under KV pressure."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(3):
-        prefix = [rng.randrange(3, 500) for _ in range(40)]
-        for _ in range(2):
-            prompts.append(prefix + [rng.randrange(3, 500) for _ in range(rng.randrange(5, 30))])
-    return prompts
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_chunked_prefill_and_preemption_keep_the_tokens_on_two_ranks(model_dirs, mode):
     model = model_dirs["llama3-rope-tied"]
-    prompts = pressure_prompts()
+    prompts = pressure_prompts(pairs=3)
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
     expected = greedy_tokens(
         LLM(model, dtype="float32", enable_prefix_caching=False), prompts, params
