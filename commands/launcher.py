@@ -102,15 +102,9 @@ def check_node_settings(args: argparse.Namespace) -> None:
     settings = node_settings(args)
     addresses = {"node_id": "-", "listen_address": "-", "router_address": "-"}
     try:
-        engine = EngineConfig(**settings["engine"], device="cpu")
+        EngineConfig(**settings["engine"], device="cpu")
     except ValueError as error:
         raise ValueError(in_flag_terms(EngineConfig, str(error))) from None
-    if engine.tensor_parallel_size > 1 and not args.colocated:
-        raise ValueError(
-            f"--tensor-parallel-size {engine.tensor_parallel_size} needs --colocated: prefill "
-            "and decode nodes run one rank each (shipping each rank's KV shard between them "
-            "is not built yet)"
-        )
     try:
         node = NodeConfig(**settings["node"], **addresses)
     except ValueError as error:
@@ -245,6 +239,12 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     see_every_gpu = node.get("kv_transport") == "cuda_ipc"
     placements = place_on_gpus(len(roles), gpus, see_every_gpu) if gpus else None
     tensor_parallel_size = engine.get("tensor_parallel_size", 1)
+    if placements is not None and tensor_parallel_size > 1 and not args.colocated:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} with prefill and decode nodes "
+            "runs on CPU hosts only: shipping each GPU rank's KV shard is not built; use "
+            "--colocated for tensor parallelism on GPUs"
+        )
     if placements is not None and tensor_parallel_size > 1:  # one colocated node, N GPUs
         if len(gpus) < tensor_parallel_size:
             raise ValueError(

@@ -54,7 +54,7 @@ from pdserve.kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
 from pdserve.kvtransfer.fingerprint import model_fingerprint
 from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation, choice_params, request_params
-from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime, refuse_tensor_parallel
+from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime, refuse_tensor_parallel_on_gpu
 from pdserve.wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class DecodeNode(NodeRuntime):
     role = "decode"
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
-        refuse_tensor_parallel(engine_config, self.role)
+        refuse_tensor_parallel_on_gpu(engine_config, self.role)
         self.receiver = ChannelReceiver(
             config.kv_transport,
             ReceiverConfig(
@@ -99,11 +99,14 @@ class DecodeNode(NodeRuntime):
                 cluster_auth=config.cluster_auth,
             ),
         )
-        engine = LLMEngine(engine_config, kv_cache_factory=self.receiver.allocate_kv_cache)
+        one_rank = engine_config.tensor_parallel_size == 1  # else the engine's own node cache
+        engine = LLMEngine(
+            engine_config, kv_cache_factory=self.receiver.allocate_kv_cache if one_rank else None
+        )
         super().__init__(engine=engine, config=config)
         self.generation = Generation(engine, config.node_id)
         self.fingerprint = model_fingerprint(engine.model_config)
-        self.descriptor = self.receiver.register(engine.runner.kv_cache, self.fingerprint)
+        self.descriptor = self.receiver.register(engine.runner.node_kv_cache, self.fingerprint)
         self.transfer_timeout_s = config.transfer_timeout_s
         self.queue_timeout_s = config.queue_timeout_s
         self.pending: dict[str, PendingPrefill] = {}
@@ -345,3 +348,4 @@ class DecodeNode(NodeRuntime):
 
     def shutdown(self) -> None:
         self.receiver.close()
+        super().shutdown()

@@ -48,6 +48,8 @@ KV_CACHE_LAYOUT = "layer,kv,block,kv_head,token,head_dim"
 
 
 class KVCache:
+    num_ranks: int = 1  # tensor-parallel shards the buffer holds (engine/shared_kv_cache.py)
+
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         if num_blocks < 1:
             raise ValueError(

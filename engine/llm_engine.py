@@ -28,7 +28,6 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.forks import Forks, check_choices
 from pdserve.engine.held_blocks import HeldBlocks
-from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
 from pdserve.engine.models import model_class
@@ -64,9 +63,12 @@ def _has_tokenizer_files(folder: Path) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory = KVCache) -> None:
-        """`kv_cache_factory(spec, num_blocks, device)` allocates the KV cache (a decode node
-        passes its KV receiver's, which places the buffer where prefill nodes can write)."""
+    def __init__(
+        self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None
+    ) -> None:
+        """`kv_cache_factory(spec, num_blocks, device)` allocates a one-rank engine's KV cache
+        (a decode node passes its KV receiver's, which places the buffer where prefill nodes
+        can write); None: the engine's own (engine/model_runner.py)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config

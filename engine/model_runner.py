@@ -34,6 +34,7 @@ from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.shared_kv_cache import SharedKVCache
 from pdserve.engine.swap_space import SwapSpace
 from pdserve.wire.limits import MAX_LOGPROBS
 
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 KVCacheFactory = Callable[[KVCacheSpec, int, torch.device], KVCache]
+KV_SEGMENT_KEY = "kv_cache_segment"  # where rank 0 names its node cache's segment
 
 
 class ModelRunner:
@@ -52,7 +54,7 @@ class ModelRunner:
         config: EngineConfig,
         model_config: ModelConfig,
         max_model_len: int,
-        kv_cache_factory: KVCacheFactory = KVCache,
+        kv_cache_factory: KVCacheFactory | None = None,
         memory_stats: CudaMemoryStats | None = None,
         group: RankGroup | None = None,
     ):
@@ -63,7 +65,11 @@ class ModelRunner:
 
         Tensor parallelism (engine/distributed/): with `tensor_parallel_size` > 1 and no
         `group`, this is rank 0 and starts the worker ranks (`workers`), which build their own
-        runner with their `group`; every rank holds the same number of KV blocks."""
+        runner with their `group`; every rank holds the same number of KV blocks.
+
+        `kv_cache_factory(spec, num_blocks, device)` allocates a one-rank engine's KV cache
+        (KVCache by default; a decode node's KV receiver passes its own); a tensor-parallel
+        engine allocates its own (`_allocate_kv_cache`) and takes none."""
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -109,7 +115,9 @@ class ModelRunner:
             config.num_kv_blocks
             or spec.num_blocks_for(self._kv_cache_budget(spec, memory_stats, graph_buckets))
         )
-        self.kv_cache = kv_cache_factory(spec, num_blocks, self.device)
+        self.node_kv_cache, self.kv_cache = self._allocate_kv_cache(
+            spec, num_blocks, kv_cache_factory
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             self.kv_cache.num_blocks, config.block_size, spec.dtype,
@@ -117,6 +125,34 @@ class ModelRunner:
         )
         self.attention = self._attention_backend(self.kv_cache)
         self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
+
+    def _allocate_kv_cache(
+        self, spec: KVCacheSpec, num_blocks: int, factory: KVCacheFactory | None
+    ) -> tuple[KVCache | None, KVCache]:
+        """(the node cache, which a KV transfer moves whole; this rank's cache).
+
+        One rank: the factory's cache is both. Tensor parallel on the CPU: every rank's shard
+        lives in one SharedKVCache (engine/shared_kv_cache.py) that rank 0 creates and names in
+        the group's store, where each worker finds it and maps its own slice. Tensor parallel
+        on CUDA: each rank allocates its own shard and there is no node cache, so the nodes
+        that move KV refuse it (node/runtime.py)."""
+        size = self.group.size
+        if size == 1:
+            cache = (factory or KVCache)(spec, num_blocks, self.device)
+            return cache, cache
+        if factory is not None:
+            raise ValueError(
+                "a tensor-parallel engine allocates its own KV cache; pass no kv_cache_factory"
+            )
+        if self.device.type != "cpu":
+            return None, KVCache(spec, num_blocks, self.device)
+        if self.group.is_first:
+            node_cache = SharedKVCache.for_ranks(spec, num_blocks, size)
+            self.group.publish(KV_SEGMENT_KEY, node_cache.name)
+        else:
+            name = self.group.published(KV_SEGMENT_KEY)
+            node_cache = SharedKVCache.attach(name, spec, num_blocks, size)
+        return node_cache, node_cache.rank_shard(self.group.rank)
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
         from pdserve.engine.cuda_graphs import DecodeGraphs
@@ -223,9 +259,12 @@ class ModelRunner:
         return SwapSpace.for_budget(self.kv_cache, swap_space_bytes)
 
     def close(self) -> None:
-        """Stops the worker ranks (tensor parallelism); nothing to do otherwise."""
+        """Stops the worker ranks and unlinks their shared KV cache (tensor parallelism);
+        nothing to do otherwise."""
         if self.workers is not None:
             self.workers.close()
+            if isinstance(self.node_kv_cache, SharedKVCache):
+                self.node_kv_cache.close()
 
     def synchronize(self) -> None:
         """Waits for the device's queued work (CUDA); nothing to wait for on the CPU."""

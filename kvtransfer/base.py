@@ -8,6 +8,9 @@ Decode node (`KVReceiver`)
                                  KV buffer (in shared memory for shm); the engine runs on it.
   register(kv_cache, model_fingerprint)        once, right after: opens the channel and
                                  returns the `KVDescriptor` the node publishes to prefill nodes.
+                                 A tensor-parallel node registers its node cache, every rank's
+                                 shard (engine/shared_kv_cache.py), and the prefill node
+                                 connects with its own: a transfer moves all ranks' layers.
   expect(transfer_id, block_ids, deadline, budget_s)  when the node has reserved destination
                                  blocks for a request, before it tells the prefill node the
                                  target blocks. With `budget_s`, `deadline` bounds the wait for

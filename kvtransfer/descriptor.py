@@ -3,9 +3,14 @@ runs against it before its first write.
 
 A descriptor names the transport, the decode node's channel address, a transport handle (a
 shared-memory segment name, a CUDA IPC handle, or nothing for zmq), and everything that must
-agree for bytes to mean the same on both sides: layout, dtype, block size, layers, KV heads,
-head dim and a model fingerprint. `num_blocks` is the decode node's own count; the prefill side
-uses it to range-check destination block ids before sending anything.
+agree for bytes to mean the same on both sides: tensor-parallel size, layout, dtype, block
+size, layers, KV heads (per rank), head dim and a model fingerprint. `num_blocks` is the decode
+node's own count; the prefill side uses it to range-check destination block ids before sending
+anything.
+
+Tensor parallelism: a node of N ranks moves its node cache (engine/shared_kv_cache.py), every
+rank's shard, rank-major: prefill rank r's shard lands in decode rank r's. The pair must shard
+alike, so a different `tensor_parallel_size` is refused first, on its own.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class KVDescriptor:
     head_dim: int
     num_blocks: int
     model_fingerprint: str
+    tensor_parallel_size: int = 1
     handle: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -66,7 +72,10 @@ class KVDescriptor:
         num_blocks: int,
         model_fingerprint: str,
         handle: dict[str, Any],
+        tensor_parallel_size: int = 1,
     ) -> KVDescriptor:
+        """`spec` is the spec of the cache a transfer moves: a node cache's for several ranks
+        (`tensor_parallel_size` x the model's layers)."""
         return cls(
             transport=transport,
             node_id=node_id,
@@ -74,18 +83,20 @@ class KVDescriptor:
             layout=KV_CACHE_LAYOUT,
             dtype=dtype_name(spec.dtype),
             block_size=spec.block_size,
-            num_layers=spec.num_layers,
+            num_layers=spec.num_layers // tensor_parallel_size,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             num_blocks=num_blocks,
             model_fingerprint=model_fingerprint,
+            tensor_parallel_size=tensor_parallel_size,
             handle=handle,
         )
 
     @property
     def spec(self) -> KVCacheSpec:
+        """The spec of the buffer a transfer writes: every rank's layers."""
         return KVCacheSpec(
-            num_layers=self.num_layers,
+            num_layers=self.num_layers * self.tensor_parallel_size,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             block_size=self.block_size,
@@ -119,11 +130,24 @@ class KVDescriptor:
 
 
 def check_compatible(
-    descriptor: KVDescriptor, transport: str, spec: KVCacheSpec, model_fingerprint: str
+    descriptor: KVDescriptor,
+    transport: str,
+    spec: KVCacheSpec,
+    model_fingerprint: str,
+    tensor_parallel_size: int = 1,
 ) -> None:
-    """Raises DescriptorMismatch naming every field that differs, with both values."""
+    """Raises DescriptorMismatch naming every field that differs, with both values (only the
+    tensor-parallel size when that differs: every per-rank field follows from it)."""
+    if descriptor.tensor_parallel_size != tensor_parallel_size:
+        raise DescriptorMismatch(
+            f"KV descriptor mismatch: tensor_parallel_size is {descriptor.tensor_parallel_size} "
+            f"on decode node {descriptor.node_id!r} and {tensor_parallel_size} on this prefill "
+            "node; each prefill rank writes its KV shard to the same decode rank, so a "
+            "prefill/decode pair must use the same tensor_parallel_size"
+        )
     local = KVDescriptor.for_cache(
-        transport, "", "", spec, descriptor.num_blocks, model_fingerprint, {}
+        transport, "", "", spec, descriptor.num_blocks, model_fingerprint, {},
+        tensor_parallel_size,
     )
     compared = (
         "transport", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",

@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.shared_segment import NODE_ID_PATTERN
 from pdserve.kvtransfer.base import KVReceiver, TransferEvent, TransferKind
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.events import EventBoard
@@ -43,7 +44,6 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.transports.base import ReceiverTransport
 from pdserve.kvtransfer.transports.registry import receiver_transport
-from pdserve.kvtransfer.transports.shm_segment import NODE_ID_PATTERN
 from pdserve.kvtransfer.wakeup import Wakeup
 from pdserve.wire.cluster_auth import ClusterAuth
 
@@ -123,7 +123,7 @@ class ChannelReceiver(KVReceiver):
             raise
         self._descriptor = KVDescriptor.for_cache(
             self.transport.name, self.config.node_id, endpoint[0], kv_cache.spec,
-            kv_cache.num_blocks, model_fingerprint, handle,
+            kv_cache.num_blocks, model_fingerprint, handle, kv_cache.num_ranks,
         )
         return self._descriptor
 

@@ -91,7 +91,9 @@ class ChannelSender(KVSender):
     def connect(self, descriptor: KVDescriptor, kv_cache: KVCache, model_fingerprint: str) -> None:
         if self._thread is not None:
             raise RuntimeError("a KV sender connects to one decode node, once")
-        check_compatible(descriptor, self.transport.name, kv_cache.spec, model_fingerprint)
+        check_compatible(
+            descriptor, self.transport.name, kv_cache.spec, model_fingerprint, kv_cache.num_ranks
+        )
         self.transport.attach(descriptor, kv_cache)
         self._descriptor = descriptor
         self._kv_cache = kv_cache
@@ -263,7 +265,7 @@ class ChannelSender(KVSender):
                 if job_done:
                     written = self._strategy.finish_job(
                         self.transport, transfer.transfer_id, job.dst_block_ids,
-                        self._descriptor.num_layers, job.ready, self._take_seq,
+                        self._descriptor.spec.num_layers, job.ready, self._take_seq,
                     )
             except Exception as error:  # fail this transfer, serve the others
                 logger.exception("KV sender: a copy step failed")

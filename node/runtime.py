@@ -52,15 +52,16 @@ IDLE_POLL_MS = 50
 MAX_OUTBOX = 100_000
 
 
-def refuse_tensor_parallel(engine_config: EngineConfig, role: str) -> None:
-    """ValueError for tensor parallelism on a node that moves KV to or from another node:
-    a transfer moves one rank's KV cache, and each prefill rank shipping its shard to the
-    matching decode rank is not built yet."""
-    if engine_config.tensor_parallel_size > 1:
+def refuse_tensor_parallel_on_gpu(engine_config: EngineConfig, role: str) -> None:
+    """ValueError for tensor parallelism on CUDA on a node that moves KV to or from another
+    node: a transfer moves a node cache holding every rank's shard (engine/shared_kv_cache.py),
+    which exists on the CPU; GPU ranks' shards would each need a handle of their own."""
+    if engine_config.tensor_parallel_size > 1 and engine_config.resolve_device().type != "cpu":
         raise ValueError(
-            f"tensor_parallel_size {engine_config.tensor_parallel_size} is not supported for "
-            f"{role} nodes yet: disaggregated serving moves the KV cache of one rank; use a "
-            "colocated node (`pdserve serve --colocated`) for tensor parallelism"
+            f"tensor_parallel_size {engine_config.tensor_parallel_size} on "
+            f"{engine_config.resolve_device()} is not supported for {role} nodes yet: "
+            "disaggregated tensor parallelism runs on the CPU; use a colocated node "
+            "(`pdserve serve --colocated`) for tensor parallelism on GPUs"
         )
 
 
@@ -107,7 +108,9 @@ class NodeRuntime:
         return {}
 
     def shutdown(self) -> None:
-        """Called once when the loop ends, before the sockets close."""
+        """Called once when the loop ends, before the sockets close: stops the engine's worker
+        ranks (tensor parallelism); a role that overrides it calls this last."""
+        self.engine.close()
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -223,6 +226,7 @@ class NodeRuntime:
             "instance_id": self.instance_id,
             "num_leaked_blocks": self.num_leaked_blocks,
             "prefill_tokens_per_s": engine.preemption.measured_prefill_tokens_per_s,
+            "tensor_parallel_size": engine.config.tensor_parallel_size,
         }
         fields.update(self.stats_fields())
         return NodeStats(**fields)

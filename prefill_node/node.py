@@ -40,7 +40,7 @@ from pdserve.kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConf
 from pdserve.kvtransfer.fingerprint import model_fingerprint
 from pdserve.node.config import NodeConfig
 from pdserve.node.generation import choice_params, request_params, step_failure
-from pdserve.node.runtime import NodeRuntime, refuse_tensor_parallel
+from pdserve.node.runtime import NodeRuntime, refuse_tensor_parallel_on_gpu
 from pdserve.prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
 from pdserve.wire.messages import (
     Abort,
@@ -79,7 +79,7 @@ class PrefillNode(NodeRuntime):
     role = "prefill"
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
-        refuse_tensor_parallel(engine_config, self.role)
+        refuse_tensor_parallel_on_gpu(engine_config, self.role)
         engine = LLMEngine(engine_config)
         super().__init__(engine=engine, config=config)
         self.transport = config.kv_transport
@@ -170,7 +170,7 @@ class PrefillNode(NodeRuntime):
             return current[1]
         sender = ChannelSender(self.transport, SenderConfig(cluster_auth=self.cluster_auth))
         try:
-            sender.connect(descriptor, self.engine.runner.kv_cache, self.fingerprint)
+            sender.connect(descriptor, self.engine.runner.node_kv_cache, self.fingerprint)
         except (ValueError, TypeError):
             sender.close()
             raise
@@ -225,7 +225,7 @@ class PrefillNode(NodeRuntime):
             request.first_write_at = time.monotonic()
         request.sender.write(write.request_id, write.src_block_ids, write.dst_block_ids)
         num_blocks = len(write.src_block_ids)
-        self.transfer_bytes += num_blocks * self.engine.runner.kv_cache.spec.bytes_per_block
+        self.transfer_bytes += num_blocks * self.engine.runner.node_kv_cache.spec.bytes_per_block
 
     # -- work --------------------------------------------------------------------------------
 
@@ -332,6 +332,7 @@ class PrefillNode(NodeRuntime):
     def shutdown(self) -> None:
         for _, sender in self.senders.values():
             sender.close()
+        super().shutdown()
 
 
 def _wire_logprobs(first: FirstToken) -> list | None:

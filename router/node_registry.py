@@ -21,7 +21,9 @@ healthy node look dead to the request routed in that moment, and a node that did
 
 Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
 block size); a node that differs in any of them is refused, with a message naming both values,
-and never receives a request.
+and never receives a request. Prefill and decode nodes must also agree on their
+`tensor_parallel_size` (each prefill rank writes its KV shard to the same decode rank): the
+first of them sets it; colocated nodes move no KV and may differ.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class NodeRegistry:
         self.clock = clock
         self.on_restart = on_restart
         self.reference: tuple[str, str, int] | None = None
+        self.kv_shards_reference: int | None = None  # tensor_parallel_size of prefill/decode
 
     def live(self, role: str | None = None) -> list[NodeState]:
         """Nodes heard within the timeout, or up at the last sweep (module docstring)."""
@@ -162,6 +165,23 @@ class NodeRegistry:
         return node
 
     def _pairing_problem(self, stats: NodeStats) -> str | None:
+        return self._model_problem(stats) or self._kv_shards_problem(stats)
+
+    def _kv_shards_problem(self, stats: NodeStats) -> str | None:
+        if stats.role == "colocated":
+            return None
+        if self.kv_shards_reference is None:
+            self.kv_shards_reference = stats.tensor_parallel_size
+            return None
+        if stats.tensor_parallel_size != self.kv_shards_reference:
+            return (
+                f"its tensor_parallel_size is {stats.tensor_parallel_size} but the other prefill "
+                f"and decode nodes have {self.kv_shards_reference}: each prefill rank writes its "
+                "KV shard to the same decode rank"
+            )
+        return None
+
+    def _model_problem(self, stats: NodeStats) -> str | None:
         if not stats.model_fingerprint:
             return None
         mine = (stats.model_fingerprint, stats.dtype, stats.block_size)

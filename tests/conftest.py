@@ -38,6 +38,7 @@ PROCESS_MODULES = (
     "kvtransfer/test_processes.py",
     "nodes/test_colocated_node.py",
     "nodes/test_colocated_tensor_parallel.py",
+    "nodes/test_disaggregated_tensor_parallel.py",
     "wire/test_cluster_secret.py",
 )
 SLOW_MODULES = (

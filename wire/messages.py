@@ -197,6 +197,7 @@ class NodeStats:
     queue_wait_seconds_by_priority: dict[str, float] = field(default_factory=dict)
     queue_wait_requests_by_priority: dict[str, int] = field(default_factory=dict)
     prefill_tokens_per_s: float = 0.0  # measured; 0.0: not yet
+    tensor_parallel_size: int = 1
 
 
 @dataclass

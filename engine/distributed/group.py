@@ -53,11 +53,13 @@ class RankGroup:
         size: int,
         process_group: dist.ProcessGroup | None,
         device: torch.device | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
         self.process_group = process_group
         self.device = device or torch.device("cpu")
+        self.store = store
 
     @classmethod
     def single(cls) -> RankGroup:
@@ -80,7 +82,7 @@ class RankGroup:
             group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             group = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return cls(rank, size, group, device)
+        return cls(rank, size, group, device, store)
 
     @property
     def is_first(self) -> bool:
@@ -101,6 +103,14 @@ class RankGroup:
         options.reduceOp = dist.ReduceOp.MIN
         _wait(self.process_group.allreduce([tensor], options), "all-reduce")
         return int(tensor.item())
+
+    def publish(self, key: str, value: str) -> None:
+        """Rank 0 names something for the other ranks (`published`)."""
+        self.store.set(key, value)
+
+    def published(self, key: str) -> str:
+        """What rank 0 published under `key`, waiting for it up to the store's timeout."""
+        return self.store.get(key).decode()
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: every rank's `tensor` (same shape on each) joined along the last dimension,

@@ -1,5 +1,5 @@
 """shm: one host, CPU. The decode node's KV buffer lives in a POSIX shared-memory segment named
-after the node; the prefill node maps it and copies blocks straight into it, then tells the
+after the node (or, for a tensor-parallel node, its node cache's segment); the prefill node maps it and copies blocks straight into it, then tells the
 decode node which blocks and layers landed (Written)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 
 from pdserve.engine.block_moves import copy_block_runs
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.shared_kv_cache import SharedKVCache
+from pdserve.engine.shared_segment import SharedSegment
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
 from pdserve.kvtransfer.transports.base import (
@@ -19,7 +21,6 @@ from pdserve.kvtransfer.transports.base import (
     SenderTransport,
     WriteStep,
 )
-from pdserve.kvtransfer.transports.shm_segment import SharedSegment
 
 
 class ShmReceiverTransport(ReceiverTransport):
@@ -28,29 +29,29 @@ class ShmReceiverTransport(ReceiverTransport):
 
     def __init__(self, node_id: str) -> None:
         super().__init__(node_id)
-        self._segment: SharedSegment | None = None
+        self._allocated: SharedKVCache | None = None
 
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, device: torch.device
     ) -> KVCache:
         if device.type != "cpu":
             raise ValueError(f"the shm KV transport keeps the cache in host memory, not {device}")
-        if self._segment is not None:
+        if self._allocated is not None:
             raise RuntimeError("the shm KV transport allocates one KV cache per node")
-        self._segment = SharedSegment.create(self.node_id, num_blocks * spec.bytes_per_block)
-        return KVCache.over_buffer(spec, self._segment.payload)
+        self._allocated = SharedKVCache.create(self.node_id, spec, num_blocks)
+        return self._allocated
 
     def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]:
-        segment = self._segment
-        if segment is None or kv_cache.buffer.data_ptr() != segment.payload.data_ptr():
-            raise ValueError("the shm KV transport registers only the cache it allocated")
+        if not isinstance(kv_cache, SharedKVCache):
+            raise TypeError("the shm KV transport registers a KV cache in shared memory")
         # The owner's pid tells a restarted node's descriptor from its predecessor's.
-        return {"segment": segment.path.name, "bytes": segment.payload.numel(), "pid": os.getpid()}
+        nbytes = kv_cache.segment.payload.numel()
+        return {"segment": kv_cache.name, "bytes": nbytes, "pid": os.getpid()}
 
     def close(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+        if self._allocated is not None:
+            self._allocated.close()
+            self._allocated = None
 
 
 class ShmSenderTransport(SenderTransport):

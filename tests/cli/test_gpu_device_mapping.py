@@ -141,3 +141,9 @@ def test_a_tensor_parallel_colocated_node_sees_one_gpu_per_rank(monkeypatch):
     assert setting(node, "engine", "tensor_parallel_size") == 2
     with pytest.raises(ValueError, match="--tensor-parallel-size 8 needs as many GPUs; 4 are"):
         plan("--colocated", "-tp", "8")
+
+
+def test_tensor_parallel_prefill_and_decode_nodes_are_refused_on_gpus(monkeypatch):
+    fake_gpus(monkeypatch, 4, None)
+    with pytest.raises(ValueError, match="runs on CPU hosts only.*use --colocated"):
+        plan("-tp", "2")

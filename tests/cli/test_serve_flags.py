@@ -116,7 +116,6 @@ def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs --colocated"),
         (["-tp", "0"], "--tensor-parallel-size must be >= 1, got 0"),
         (["--generation-config", "auto"], "--generation-config auto: pdserve takes no default"),
         (["--chat-template", "no/such/template.jinja"], "neither a file nor a Jinja template"),
@@ -180,6 +179,12 @@ def test_a_chat_template_given_replaces_the_model_folders(tiny_llama_dir):
     tokenizer = load_tokenizer(tiny_llama_dir, chat_template=TEMPLATE)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tokenizer.decode(ids) == "<user>hi<assistant>"
+
+
+def test_tensor_parallel_size_reaches_prefill_and_decode_nodes_on_a_cpu_host():
+    args = serve_args(["/models/tiny", "-tp", "2", "--threads-per-node", "2"])
+    configs = node_engine_configs(args)
+    assert [(c.tensor_parallel_size, c.num_threads) for c in configs] == [(2, 2), (2, 2)]
 
 
 def test_tensor_parallel_size_reaches_the_colocated_node_with_its_threads():

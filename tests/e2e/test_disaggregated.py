@@ -1,10 +1,10 @@
 """End to end through the router, real processes: disaggregated serving (prefill nodes and
 decode nodes, KV over shared memory) gives the same greedy text as colocated serving, for 32
 concurrent requests with shared prefixes and different lengths under chunked prefill, with
-1P1D and 2P2D (KV over shm; 1P1D also over zmq and mooncake); every node's KV blocks are all
-free afterwards. Each deployment runs with the cluster secret `pdserve serve` makes for its
-processes (CURVE on every ZeroMQ link, the KV channel included); a node joining from outside is
-given the secret."""
+1P1D and 2P2D (KV over shm; 1P1D also over zmq and mooncake, and with two tensor-parallel ranks
+on each node); every node's KV blocks are all free afterwards. Each deployment runs with the
+cluster secret `pdserve serve` makes for its processes (CURVE on every ZeroMQ link, the KV
+channel included); a node joining from outside is given the secret."""
 
 from __future__ import annotations
 
@@ -96,14 +96,21 @@ def colocated_answers(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     "layout",
-    [("1", "1", "shm"), ("2", "2", "shm"), ("1", "1", "zmq"), ("1", "1", "mooncake")],
-    ids=["1P1D", "2P2D", "zmq", "mooncake"],
+    [
+        ("1", "1", "shm"),
+        ("2", "2", "shm"),
+        ("1", "1", "zmq"),
+        ("1", "1", "mooncake"),
+        ("1", "1", "shm", "--tensor-parallel-size", "2"),
+    ],
+    ids=["1P1D", "2P2D", "zmq", "mooncake", "1P1D-tp2"],
 )
 def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answers, layout):
     if layout[2] == "mooncake":
         require_mooncake()
     server = Server(
-        tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1], "--kv-transport", layout[2]
+        tiny_llama_dir, "--prefill", layout[0], "--decode", layout[1], "--kv-transport", layout[2],
+        *layout[3:],
     )
     try:
         expected_nodes = sorted(

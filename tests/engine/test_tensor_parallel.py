@@ -17,6 +17,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.distributed.group import RankFailure
+from pdserve.engine.shared_segment import SHM_DIR
 from tests.engine.test_preemption_modes import pressure_prompts
 from tests.tiny_models import save_tiny_model, tiny_configs
 
@@ -40,9 +41,11 @@ def greedy_tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 def close_and_check_stopped(llm: LLM) -> None:
     workers = llm.engine.runner.workers
+    node_cache = llm.engine.runner.node_kv_cache  # every rank's shard, in shared memory
     llm.close()
     assert workers is not None
     assert all(process.poll() is not None for process in workers.processes)
+    assert not (SHM_DIR / node_cache.name).exists()
 
 
 @pytest.fixture(scope="module")

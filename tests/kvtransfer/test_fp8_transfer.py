@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.shared_segment import SHM_DIR, segment_name
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,
@@ -19,7 +20,6 @@ from pdserve.kvtransfer import (
     ReceiverConfig,
     TransferKind,
 )
-from pdserve.kvtransfer.transports.shm_segment import SHM_DIR, segment_name
 from tests.kvtransfer.test_inprocess import close_all, make_pair
 
 FP8_SPEC = KVCacheSpec(

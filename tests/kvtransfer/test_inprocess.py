@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.shared_segment import SHM_DIR, SharedSegment, segment_name
 from pdserve.kvtransfer import (
     TRANSPORT_NAMES,
     ChannelReceiver,
@@ -30,7 +31,6 @@ from pdserve.kvtransfer.messages import Begin, KVProtocolError, decode_header, e
 from pdserve.kvtransfer.strategies import DirectWrite, Streamed
 from pdserve.kvtransfer.transports.base import plan_steps
 from pdserve.kvtransfer.transports.registry import receiver_transport
-from pdserve.kvtransfer.transports.shm_segment import SHM_DIR, SharedSegment, segment_name
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 CPU = torch.device("cpu")

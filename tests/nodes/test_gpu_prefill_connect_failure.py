@@ -18,8 +18,8 @@ import pytest
 
 from pdserve.decode_node.node import DecodeNode
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.shared_segment import segment_name
 from pdserve.kvtransfer import KVDescriptor
-from pdserve.kvtransfer.transports.shm_segment import segment_name
 from pdserve.prefill_node.node import PrefillNode
 from pdserve.wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
 from tests.nodes.unlooped import capture_sends, unlooped_config

@@ -1,6 +1,8 @@
-"""Nodes and tensor parallelism: disaggregated nodes refuse it before they load anything (a KV
-transfer moves one rank's cache), and a failed rank stops a node's generation loop instead of
-failing request after request."""
+"""Nodes and tensor parallelism: disaggregated nodes refuse it on GPUs before they load
+anything (a KV transfer moves a node cache of every rank's shard, which exists on the CPU:
+engine/shared_kv_cache.py), and a failed rank stops a node's generation loop instead of
+failing request after request. Disaggregated serving with tensor parallelism on the CPU:
+tests/nodes/test_disaggregated_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -10,14 +12,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.distributed.group import RankFailure
 from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation
-from pdserve.node.runtime import refuse_tensor_parallel
+from pdserve.node.runtime import refuse_tensor_parallel_on_gpu
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_disaggregated_node_refuses_more_than_one_rank(role):
-    refuse_tensor_parallel(EngineConfig(device="cpu"), role)
-    with pytest.raises(ValueError, match=f"tensor_parallel_size 2 is not supported for {role}"):
-        refuse_tensor_parallel(EngineConfig(device="cpu", tensor_parallel_size=2), role)
+def test_a_disaggregated_node_refuses_ranks_on_gpus_only(role):
+    refuse_tensor_parallel_on_gpu(EngineConfig(device="cpu", tensor_parallel_size=2), role)
+    refuse_tensor_parallel_on_gpu(EngineConfig(device="cuda"), role)
+    with pytest.raises(ValueError, match=f"on cuda is not supported for {role} nodes yet"):
+        refuse_tensor_parallel_on_gpu(EngineConfig(device="cuda", tensor_parallel_size=2), role)
 
 
 @pytest.mark.parametrize("module", ["prefill_node", "decode_node"])
@@ -31,7 +34,7 @@ def test_the_node_refuses_before_building_its_engine(module, tmp_path):
     config = NodeConfig(
         node_id="n", listen_address="tcp://127.0.0.1:0", router_address="tcp://127.0.0.1:1"
     )
-    engine_config = EngineConfig(model=str(tmp_path), device="cpu", tensor_parallel_size=2)
+    engine_config = EngineConfig(model=str(tmp_path), device="cuda", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="use a colocated node"):
         node_class(engine_config=engine_config, config=config)
 

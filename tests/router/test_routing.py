@@ -59,6 +59,21 @@ def test_a_node_with_another_model_dtype_or_block_size_is_refused():
     assert [n.node_id for n in nodes.live()] == ["a"]
 
 
+def test_prefill_and_decode_nodes_of_another_tensor_parallel_size_are_refused():
+    nodes, _ = registry()
+    nodes.record(stats("c", "colocated", "tcp://h:0", tensor_parallel_size=4))  # moves no KV
+    nodes.record(stats("p", "prefill", "tcp://h:1", tensor_parallel_size=2))
+    same = nodes.record(stats("d", "decode", "tcp://h:2", tensor_parallel_size=2))
+    other = nodes.record(stats("d1", "decode", "tcp://h:3"))
+    also_colocated = nodes.record(stats("c1", "colocated", "tcp://h:4"))
+    assert same.refused is None and also_colocated.refused is None
+    assert other.refused == (
+        "its tensor_parallel_size is 1 but the other prefill and decode nodes have 2: each "
+        "prefill rank writes its KV shard to the same decode rank"
+    )
+    assert [n.node_id for n in nodes.live()] == ["c", "p", "d", "c1"]
+
+
 def test_block_hashes_chain_whole_blocks():
     a = list(range(40))
     b = list(range(20)) + [999] * 20

@@ -22,6 +22,7 @@ import zmq
 from pdserve.commands.launcher import free_port
 from pdserve.commands.serve_process import ServeProcess
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.shared_segment import SHM_DIR, segment_name
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,
@@ -29,7 +30,6 @@ from pdserve.kvtransfer import (
     SenderConfig,
     TransferKind,
 )
-from pdserve.kvtransfer.transports.shm_segment import SHM_DIR, segment_name
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth, is_loopback
 from tests.fault_checks import HEARTBEAT_S, wait_until
 

@@ -1,6 +1,8 @@
-"""A named POSIX shared-memory segment holding one decode node's KV buffer.
+"""A named POSIX shared-memory segment holding a KV buffer that other processes on this host map
+by name: a decode node's for the shm transport, or every rank's of a tensor-parallel engine on
+the CPU (engine/shared_kv_cache.py).
 
-The segment is `pdserve-kv-<node id>` under /dev/shm: a one-page header (magic, owner pid,
+The segment is `pdserve-kv-<id>` under /dev/shm (the id is the node id, or one the engine draws): a one-page header (magic, owner pid,
 payload size) and the payload, which starts page-aligned. The owner creates it and unlinks it
 on close or at interpreter exit. A crashed owner leaves it behind; the next owner of that name
 finds it, sees that the recorded pid is no longer running, and replaces it. A segment whose
@@ -134,6 +136,15 @@ class SharedSegment:
         finally:
             os.close(fd)
         return cls(path, mapping, payload_bytes, owner=False)
+
+    @staticmethod
+    def remove_abandoned(id_prefix: str) -> None:
+        """Unlinks every segment whose id starts with `id_prefix` and whose owner is no longer
+        running: what killed owners of drawn ids left behind (a new owner never meets them)."""
+        for path in _shm_dir().glob(SEGMENT_PREFIX + id_prefix + "*"):
+            header = _read_header(path)
+            if header is not None and not _process_is_running(header[0]):
+                _unlink_quietly(path)
 
     @staticmethod
     def _remove_stale(path: Path) -> None:
