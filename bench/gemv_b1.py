@@ -8,6 +8,11 @@ holds, so each weight comes from memory as in a real step. Every kernel runs one
 number is the best of `--rounds` interleaved rounds: on a shared small machine another process's
 burst stalls whichever kernel it overlaps, and interleaving spreads that over all of them.
 
+Two candidates beside torch's own kernels: a bf16 GEMV compiled by numba (each weight word
+widened to fp32 by a shift and a bit cast inside the multiply-add loop, rows split over the
+threads: what a kernel of pdserve's own could do without a C compiler), and int8 weight-only
+(`torch.ops.aten._weight_int8pack_mm`, per-row scales: half the bytes of bf16).
+
 GB/s is weight bytes / round time; "of read" divides it by bench/bandwidth.py's read bandwidth,
 measured in the same run (the roofline of bench/offline.py). A kernel at 100% would make the
 batch-1 step's linears as fast as this machine allows.
@@ -25,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,9 +43,14 @@ RESULTS = Path(__file__).parent / "results"
 @dataclass(frozen=True)
 class Kernel:
     name: str
-    dtype: torch.dtype
-    prepare: Callable[[torch.Tensor], torch.Tensor]  # the weight [out, in] -> its operand
-    call: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [1, in], operand)
+    dtype: torch.dtype  # of the weight bytes the kernel reads
+    prepare: Callable[[torch.Tensor], object]  # the weight [out, in] -> its operand
+    call: Callable[[torch.Tensor, object], torch.Tensor]  # (x [1, in], operand)
+    given_dtype: torch.dtype | None = None  # of x and the weight handed over (None: dtype)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.given_dtype or self.dtype
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -48,6 +59,61 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
 
 def _packed_call(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 and the bf16 scales `_weight_int8pack_mm` takes."""
+    scales = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127
+    codes = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales.to(torch.bfloat16)
+
+
+def _int8_call(x: torch.Tensor, operand: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, *operand)
+
+
+def _numba_gemv() -> Callable | None:
+    """A bf16 GEMV compiled by numba, or None where numba is missing."""
+    try:
+        import numba
+        from llvmlite import ir
+        from numba import njit, prange, types
+        from numba.extending import intrinsic
+    except ImportError:
+        return None
+
+    @intrinsic
+    def as_float32(typingctx, word):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
+
+    @njit(parallel=True, fastmath={"reassoc", "contract"}, boundscheck=False)
+    def gemv(x, words, out, num_chunks):
+        rows, cols = words.shape
+        per_chunk = (rows + num_chunks - 1) // num_chunks
+        for chunk in prange(num_chunks):
+            for row in range(chunk * per_chunk, min(rows, (chunk + 1) * per_chunk)):
+                total = np.float32(0.0)
+                for col in range(cols):
+                    total += x[col] * as_float32(np.uint32(words[row, col]) << np.uint32(16))
+                out[row] = total
+
+    numba.set_num_threads(torch.get_num_threads())
+    threads = torch.get_num_threads()
+
+    def call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
+        words, out = operand
+        gemv(x[0].float().numpy(), words, out, threads)
+        return torch.from_numpy(out)
+
+    return call
+
+
+def _numba_operand(weight: torch.Tensor) -> tuple:
+    words = weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return words, np.empty(weight.shape[0], np.float32)
 
 
 def kernels() -> list[Kernel]:
@@ -60,6 +126,13 @@ def kernels() -> list[Kernel]:
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found.insert(1, Kernel("oneDNN prepacked", torch.float32, _packed, _packed_call))
         found.insert(4, Kernel("oneDNN prepacked", torch.bfloat16, _packed, _packed_call))
+    numba_call = _numba_gemv()
+    if numba_call is not None:
+        found.append(Kernel("numba, widened in the loop", torch.bfloat16, _numba_operand, numba_call))
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        found.append(
+            Kernel("int8 weight-only (x in bf16)", torch.int8, _int8_rows, _int8_call, torch.bfloat16)
+        )
     return found
 
 
@@ -87,8 +160,10 @@ def measure(shapes: list[tuple[int, int]], rounds: int, seed: int) -> list[tuple
     weights = [torch.randn(out, inp, generator=generator) * 0.02 for out, inp in shapes]
     prepared = []
     for kernel in kernels():
-        operands = [kernel.prepare(w.to(kernel.dtype)) for w in weights]
-        inputs = [torch.randn(1, inp, generator=generator).to(kernel.dtype) for _, inp in shapes]
+        operands = [kernel.prepare(w.to(kernel.input_dtype)) for w in weights]
+        inputs = [
+            torch.randn(1, inp, generator=generator).to(kernel.input_dtype) for _, inp in shapes
+        ]
         prepared.append((kernel, operands, inputs))
     best = [float("inf")] * len(prepared)
     for round_index in range(rounds + 1):  # round 0 warms up (page faults, thread pools)
@@ -122,7 +197,7 @@ def build_report(args, machine, model_name, shapes, bandwidth, timings) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for kernel, seconds in timings:
-        nbytes = params * torch.finfo(kernel.dtype).bits // 8
+        nbytes = params * torch.empty((), dtype=kernel.dtype).element_size()
         rate = nbytes / seconds
         lines.append(
             f"| {str(kernel.dtype).removeprefix('torch.')} | {kernel.name} | "

@@ -32,9 +32,10 @@ def test_the_shapes_are_every_linear_of_a_step_and_the_head():
 def test_every_kernel_computes_the_product(kernel):
     weight = torch.randn(96, 64) * 0.1
     x = torch.randn(1, 64)
-    expected = F.linear(x.to(kernel.dtype).float(), weight.to(kernel.dtype).float())
-    got = kernel.call(x.to(kernel.dtype), kernel.prepare(weight.to(kernel.dtype)))
-    tolerance = 1e-5 if kernel.dtype == torch.float32 else 3e-2
+    given = kernel.input_dtype
+    expected = F.linear(x.to(given).float(), weight.to(given).float())
+    got = kernel.call(x.to(given), kernel.prepare(weight.to(given)))
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}.get(kernel.dtype, 6e-2)  # int8
     torch.testing.assert_close(got.float().reshape(1, -1), expected, atol=tolerance, rtol=0)
 
 
