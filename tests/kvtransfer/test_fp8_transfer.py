@@ -1,6 +1,7 @@
 """KV transfer of an fp8 (float8_e4m3fn) cache: the descriptor carries the dtype and a prefill
 node whose KV dtype differs from the decode node's is refused at pairing, naming both; the CPU
-transports (shm, zmq, inprocess) move fp8 blocks byte for byte, into shuffled target blocks."""
+transports (shm, zmq, inprocess, mooncake) move fp8 blocks byte for byte, into shuffled target
+blocks."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pdserve.kvtransfer import (
     TransferKind,
 )
 from tests.kvtransfer.test_inprocess import close_all, make_pair
+from tests.mooncake_env import require_mooncake
 
 FP8_SPEC = KVCacheSpec(
     num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float8_e4m3fn
@@ -61,8 +63,10 @@ def test_a_pair_whose_kv_dtypes_differ_is_refused_naming_both(node_id, decode_dt
         receiver.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "zmq", "inprocess"])
+@pytest.mark.parametrize("transport", ["shm", "zmq", "inprocess", "mooncake"])
 def test_cpu_transports_move_fp8_blocks_byte_for_byte(transport, node_id):
+    if transport == "mooncake":
+        require_mooncake()
     receiver, cache, sender, local = make_pair(transport, node_id, spec=FP8_SPEC, num_blocks=32)
     try:
         assert cache.buffer.dtype == local.buffer.dtype == torch.float8_e4m3fn

@@ -4,14 +4,13 @@ colocated engine, and every block of both nodes returns.
 
 Each node keeps every rank's KV shard in one node cache (engine/shared_kv_cache.py), and a
 transfer moves it whole: prefill rank r's shard lands in decode rank r's. Checked over shm,
-zmq and Mooncake (where installed), with sharded KV heads and with one KV head replicated on
+zmq and Mooncake, with sharded KV heads and with one KV head replicated on
 both ranks. A pair whose sizes differ is refused at pairing, naming tensor_parallel_size on
 both sides, and every block returns after the router's abort.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +22,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.prefill_node.node import PrefillNode
 from pdserve.wire.messages import Abort, PrefillRequest, RequestFailed
+from tests.mooncake_env import require_mooncake
 from tests.nodes.test_disaggregated_nodes import (
     DEADLINE_S,
     assert_all_blocks_free,
@@ -35,9 +35,6 @@ from tests.tiny_models import save_tiny_model
 
 NEW_TOKENS = 12
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]
-MOONCAKE = pytest.mark.skipif(
-    importlib.util.find_spec("mooncake") is None, reason="pdserve[mooncake] is not installed"
-)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +89,13 @@ def expected_tokens(model_dir: Path) -> list[list[int]]:
     [
         ("llama", "shm"),
         ("llama", "zmq"),
-        pytest.param("llama", "mooncake", marks=MOONCAKE),
+        ("llama", "mooncake"),
         ("llama3-rope-tied", "shm"),
     ],
 )
 def test_two_ranks_on_each_side_give_one_ranks_tokens(model_dirs, kind, transport):
+    if transport == "mooncake":
+        require_mooncake()
     expected = expected_tokens(model_dirs[kind])
     tag = uuid.uuid4().hex[:10]
     decode, prefill = make_nodes(model_dirs[kind], transport, 2, 2, tag)
