@@ -121,6 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         [int(n) for n in args.seq_lens.split(",")],
         args.block_size,
         args.kv_cache_dtype,
+        args.tensor_parallel_size,
     )
     print(render_json(plan) if args.json else render_table(plan))
     return 0
@@ -183,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserve", type=float, default=0.1, help="fraction kept free")
     plan.add_argument("--seq-lens", default="1024,8192,32768", help="tokens per sequence")
     plan.add_argument("--block-size", type=int, default=16)
-    add_flags(plan, EngineConfig, select=lambda f: f.name == "kv_cache_dtype", defaults=True)
+    add_flags(
+        plan, EngineConfig, select=lambda f: f.name in ("kv_cache_dtype", "tensor_parallel_size"),
+        defaults=True,
+    )
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(run=cmd_plan, parser=plan)
     sub.add_parser(

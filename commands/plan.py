@@ -7,6 +7,12 @@ A sequence of n tokens holds ceil(n / block_size) blocks of block_size tokens ea
 wastes less than one block per sequence). Concurrency = (memory - weights - reserve) // bytes
 per sequence. Weights are counted from the shapes (embedding, attention, MLP, norms, an untied
 LM head), in `dtype`.
+
+With `--tensor-parallel-size N` every number is one device's (`--memory` is each device's):
+the weights of one rank's shard and the KV of its KV heads, as engine/distributed/layout.py
+splits them (heads, MLP columns and vocabulary rows / N; KV heads / N, or one replicated KV head
+per rank when the model has fewer than N). Every rank holds the same blocks, so the smallest
+budget is the engine's: concurrency is one device's budget over one device's KV per sequence.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pdserve.engine.distributed.layout import ShardLayout
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 KV_CACHE_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8": 1}  # besides "auto": the weights' dtype
@@ -34,14 +42,26 @@ class ModelShape:
 
     @property
     def num_parameters(self) -> int:
+        return self.rank_parameters(self.layout(1))
+
+    def layout(self, tensor_parallel_size: int) -> ShardLayout:
+        """Rank 0's shard (every rank's is as large); ValueError for sizes that do not split."""
+        return ShardLayout.for_rank(
+            0, tensor_parallel_size, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size, self.vocab_size,
+        )
+
+    def rank_parameters(self, layout: ShardLayout) -> int:
+        """Parameters one rank holds: its shard of every matrix, whole norms and row-parallel
+        biases (there are none here: only q, k and v carry a bias)."""
         h, q, kv = (
             self.hidden_size,
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
+            layout.num_heads * self.head_dim,
+            layout.num_kv_heads * self.head_dim,
         )
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        per_layer = attention + 3 * h * self.intermediate_size + 2 * h
-        embeddings = self.vocab_size * h * (1 if self.tied_embeddings else 2)
+        per_layer = attention + 3 * h * layout.intermediate_size + 2 * h
+        embeddings = layout.vocab_rows * h * (1 if self.tied_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
 
 
@@ -99,7 +119,8 @@ class CapacityPlan:
     dtype: str
     kv_cache_dtype: str
     block_size: int
-    kv_bytes_per_token: int
+    tensor_parallel_size: int
+    kv_bytes_per_token: int  # per device, as every number below
     weight_bytes: int
     memory_bytes: int
     reserve_bytes: int
@@ -115,6 +136,7 @@ def plan_capacity(
     seq_lens: list[int],
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> CapacityPlan:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -125,11 +147,14 @@ def plan_capacity(
         )
     if not 0 <= reserve_fraction < 1:
         raise ValueError(f"the reserve must be a fraction in [0, 1), got {reserve_fraction}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    layout = shape.layout(tensor_parallel_size)
     element = DTYPE_BYTES[dtype]
     kv_element = KV_CACHE_DTYPE_BYTES.get(kv_cache_dtype, element)
     kv_cache_dtype = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_element
-    weights = shape.num_parameters * element
+    per_token = 2 * shape.num_layers * layout.num_kv_heads * shape.head_dim * kv_element
+    weights = shape.rank_parameters(layout) * element
     reserve = int(memory_bytes * reserve_fraction)
     budget = max(0, memory_bytes - weights - reserve)
     sequences = []
@@ -137,8 +162,8 @@ def plan_capacity(
         kv_bytes = -(-tokens // block_size) * block_size * per_token
         sequences.append(SequencePlan(tokens, kv_bytes, budget // kv_bytes if kv_bytes else 0))
     return CapacityPlan(
-        shape.name, dtype, kv_cache_dtype, block_size, per_token, weights, memory_bytes, reserve,
-        budget, sequences,
+        shape.name, dtype, kv_cache_dtype, block_size, tensor_parallel_size, per_token, weights,
+        memory_bytes, reserve, budget, sequences,
     )
 
 
@@ -150,10 +175,12 @@ def _size(num_bytes: int) -> str:
 
 
 def render_table(plan: CapacityPlan) -> str:
+    devices = plan.tensor_parallel_size
     lines = [
         (
             f"model {plan.model}, {plan.dtype}, KV cache {plan.kv_cache_dtype}, "
             f"block size {plan.block_size}"
+            + (f", {devices} tensor-parallel ranks (per device below)" if devices > 1 else "")
         ),
         f"KV per token        {_size(plan.kv_bytes_per_token)} ({plan.kv_bytes_per_token:,} bytes)",
         f"weights             {_size(plan.weight_bytes)}",

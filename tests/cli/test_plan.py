@@ -101,3 +101,45 @@ def test_the_command_takes_the_kv_cache_dtype_flag_generated_from_engine_config(
     data = json.loads(out.stdout)
     assert data["kv_cache_dtype"] == "fp8_e4m3" and data["kv_bytes_per_token"] == 65536
     assert data["sequences"][0]["max_concurrency"] == 114  # bf16 KV: 57
+
+
+def test_tensor_parallelism_splits_weights_and_kv_per_device():
+    shape = KNOWN_MODELS["llama-3-70b"]
+    seq_lens = [1024, 8192]
+    one = plan_capacity(shape, "bf16", 80 << 30, 0.1, seq_lens)
+    four = plan_capacity(shape, "bf16", 80 << 30, 0.1, seq_lens, tensor_parallel_size=4)
+    assert one.kv_budget_bytes == 0, "70B in bf16 does not fit one 80 GiB device"
+    assert four.tensor_parallel_size == 4
+    assert four.kv_bytes_per_token * 4 == one.kv_bytes_per_token == 320 << 10
+    # Every matrix is split four ways; only the norms (81 x 8192 parameters) are whole on each.
+    norms = (2 * 80 + 1) * 8192
+    assert four.weight_bytes == ((shape.num_parameters - norms) // 4 + norms) * 2
+    assert [s.max_concurrency for s in four.sequences] == [
+        four.kv_budget_bytes // (1024 * (80 << 10)), four.kv_budget_bytes // (8192 * (80 << 10))
+    ]
+
+
+def test_more_ranks_than_kv_heads_replicate_them():
+    shape = KNOWN_MODELS["llama-3-8b"]  # 8 KV heads
+    eight = plan_capacity(shape, "bf16", 80 << 30, 0.1, [1024], tensor_parallel_size=8)
+    sixteen = plan_capacity(shape, "bf16", 80 << 30, 0.1, [1024], tensor_parallel_size=16)
+    assert eight.kv_bytes_per_token == sixteen.kv_bytes_per_token == 2 * 32 * 1 * 128 * 2
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        plan_capacity(KNOWN_MODELS["smollm2-135m"], "bf16", 1 << 30, 0.1, [16],
+                      tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        plan_capacity(shape, "bf16", 1 << 30, 0.1, [16], tensor_parallel_size=0)
+
+
+def test_the_command_takes_the_tensor_parallel_flag_generated_from_engine_config():
+    from pdserve.commands.cli import build_parser
+
+    assert build_parser().parse_args(["plan", "--model", "x", "-tp", "4"]).tensor_parallel_size == 4
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.commands.cli", "plan", "--model", "llama-3-70b", "--json",
+         "--tensor-parallel-size", "4", "--seq-lens", "1024"],
+        capture_output=True, text=True, check=True,
+    )
+    data = json.loads(out.stdout)
+    assert data["tensor_parallel_size"] == 4 and data["kv_bytes_per_token"] == 80 << 10
+    assert data["sequences"][0]["max_concurrency"] == 501
