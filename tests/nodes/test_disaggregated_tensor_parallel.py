@@ -11,7 +11,6 @@ both sides, and every block returns after the router's abort.
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 
@@ -21,15 +20,18 @@ from pdserve.decode_node.node import DecodeNode
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.prefill_node.node import PrefillNode
-from pdserve.wire.messages import Abort, PrefillRequest, RequestFailed
+from pdserve.wire.messages import RequestFailed
 from tests.mooncake_env import require_mooncake
 from tests.nodes.test_disaggregated_nodes import (
-    DEADLINE_S,
     assert_all_blocks_free,
     run_until_idle,
     tokens_by_request,
 )
-from tests.nodes.test_fp8_disaggregated_nodes import submit
+from tests.nodes.test_fp8_disaggregated_nodes import (
+    abort_and_check_every_block_returns,
+    refusal_at_pairing,
+    submit,
+)
 from tests.nodes.unlooped import capture_sends, unlooped_config
 from tests.tiny_models import save_tiny_model
 
@@ -119,26 +121,10 @@ def test_a_pair_of_different_sizes_is_refused_naming_both(model_dirs):
     tag = uuid.uuid4().hex[:10]
     decode, prefill = make_nodes(model_dirs["llama"], "shm", 2, 1, tag)
     try:
-        submit(decode, [list(range(3, 40))], 4)
-        failures = []
-        deadline = time.monotonic() + DEADLINE_S
-        while not failures:  # the router's part: a failure from the prefill node aborts
-            assert time.monotonic() < deadline, "the prefill node never refused the pair"
-            decode.work()
-            for message in decode.sent:
-                if isinstance(message, PrefillRequest):
-                    prefill.handle(message)
-            decode.sent.clear()
-            prefill.work()
-            failures += [m for m in prefill.sent if isinstance(m, RequestFailed)]
-            prefill.sent.clear()
-        (failure,) = failures
+        failure = refusal_at_pairing(decode, prefill)
         assert failure.status == 400
         assert "tensor_parallel_size is 1 on decode node" in failure.message
         assert "and 2 on this prefill node" in failure.message
-        decode.handle(Abort(failure.request_id))
-        run_until_idle(decode, prefill)
-        assert not decode.pending and not prefill.requests
-        assert_all_blocks_free(decode, prefill)
+        abort_and_check_every_block_returns(decode, prefill, failure)
     finally:
         shut_down(tag, prefill, decode)

@@ -104,28 +104,42 @@ def test_fp8_disaggregated_tokens_equal_colocated_fp8_tokens(fp8_nodes, tiny_lla
     assert_all_blocks_free(decode, prefill)
 
 
+def refusal_at_pairing(decode: DecodeNode, prefill: PrefillNode) -> RequestFailed:
+    """Submits one request and returns the prefill node's refusal of it."""
+    submit(decode, [list(range(3, 40))], 4)
+    failures = []
+    deadline = time.monotonic() + DEADLINE_S
+    while not failures:
+        assert time.monotonic() < deadline, "the prefill node never refused the pair"
+        decode.work()
+        for message in decode.sent:
+            if isinstance(message, PrefillRequest):
+                prefill.handle(message)
+        decode.sent.clear()
+        prefill.work()
+        failures += [m for m in prefill.sent if isinstance(m, RequestFailed)]
+        prefill.sent.clear()
+    (failure,) = failures
+    return failure
+
+
+def abort_and_check_every_block_returns(
+    decode: DecodeNode, prefill: PrefillNode, failure: RequestFailed
+) -> None:
+    """The router's part after a refusal: it aborts the request on the decode node."""
+    decode.handle(Abort(failure.request_id))
+    run_until_idle(decode, prefill)
+    assert not decode.pending and not prefill.requests
+    assert_all_blocks_free(decode, prefill)
+
+
 def test_an_fp8_decode_node_refuses_a_full_precision_prefill_node_naming_both(tiny_llama_dir):
     decode, prefill = make_nodes(tiny_llama_dir, "fp8_e4m3", "auto")
     try:
-        submit(decode, [list(range(3, 40))], 4)
-        failures = []
-        deadline = time.monotonic() + DEADLINE_S
-        while not failures:  # the router's part: a failure from the prefill node aborts
-            assert time.monotonic() < deadline, "the prefill node never refused the pair"
-            decode.work()
-            for message in decode.sent:
-                if isinstance(message, PrefillRequest):
-                    prefill.handle(message)
-            decode.sent.clear()
-            prefill.work()
-            failures += [m for m in prefill.sent if isinstance(m, RequestFailed)]
-            prefill.sent.clear()
-        assert "dtype is 'float8_e4m3fn' on decode node" in failures[0].message
-        assert "'float32' on this prefill node" in failures[0].message
-        decode.handle(Abort(failures[0].request_id))
-        run_until_idle(decode, prefill)
-        assert not decode.pending and not prefill.requests
-        assert_all_blocks_free(decode, prefill)
+        failure = refusal_at_pairing(decode, prefill)
+        assert "dtype is 'float8_e4m3fn' on decode node" in failure.message
+        assert "'float32' on this prefill node" in failure.message
+        abort_and_check_every_block_returns(decode, prefill, failure)
     finally:
         prefill.shutdown()
         decode.shutdown()
