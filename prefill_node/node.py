@@ -9,7 +9,8 @@ was restarted: new channel, new buffer) replaces that node's sender; the old one
 fail. A request then moves through these stages (`Stage`, set in `_enter`; the node loop is
 node/runtime.py's):
   PREFILLING   queued or computing; the blocks each step fills are written at once (the copy
-               overlaps the next chunk). An engine error fails it (RequestFailed 500).
+               overlaps the next chunk). An engine error fails it (RequestFailed 500); a
+               failed tensor-parallel rank (RankFailure) stops the node instead.
   TOKEN_SENT   its first token went to the router (a TokenUpdate with offset 0) and to the
                decode node (PrefillDone); the prompt's blocks stay in the prefix cache; the last
                writes may still be in flight. After this the decode node alone knows whether its
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.distributed.group import RankFailure
 from pdserve.engine.llm_engine import LLMEngine, StepFailure
 from pdserve.kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
 from pdserve.kvtransfer.fingerprint import model_fingerprint
@@ -261,6 +263,8 @@ class PrefillNode(NodeRuntime):
                 self._fail(self.prompt_of.get(request_id, request_id), refusal.message,
                            refusal.status)
             return
+        except RankFailure:  # a tensor-parallel rank is gone: the node stops, as a decode node
+            raise
         except Exception:  # fail the requests, keep the node
             logger.exception("prefill step failed")
             for request_id in list(self.requests):

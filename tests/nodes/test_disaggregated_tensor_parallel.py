@@ -6,11 +6,13 @@ Each node keeps every rank's KV shard in one node cache (engine/shared_kv_cache.
 transfer moves it whole: prefill rank r's shard lands in decode rank r's. Checked over shm,
 zmq and Mooncake, with sharded KV heads and with one KV head replicated on
 both ranks. A pair whose sizes differ is refused at pairing, naming tensor_parallel_size on
-both sides, and every block returns after the router's abort.
+both sides, and every block returns after the router's abort. A killed worker rank stops its
+node, prefill or decode (RankFailure), instead of failing request after request.
 """
 
 from __future__ import annotations
 
+import signal
 import uuid
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 from pdserve.decode_node.node import DecodeNode
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.distributed.group import RankFailure
 from pdserve.prefill_node.node import PrefillNode
 from pdserve.wire.messages import RequestFailed
 from tests.mooncake_env import require_mooncake
@@ -126,5 +129,21 @@ def test_a_pair_of_different_sizes_is_refused_naming_both(model_dirs):
         assert "tensor_parallel_size is 1 on decode node" in failure.message
         assert "and 2 on this prefill node" in failure.message
         abort_and_check_every_block_returns(decode, prefill, failure)
+    finally:
+        shut_down(tag, prefill, decode)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_killed_worker_rank_stops_its_node(model_dirs, role):
+    tag = uuid.uuid4().hex[:10]
+    decode, prefill = make_nodes(model_dirs["llama"], "shm", 2, 2, tag)
+    try:
+        node = prefill if role == "prefill" else decode
+        (worker,) = node.engine.runner.workers.processes
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        submit(decode, [list(range(3, 40))], 4)
+        with pytest.raises(RankFailure, match="rank 1"):
+            run_until_idle(decode, prefill)  # never a request's failure: the node stops
     finally:
         shut_down(tag, prefill, decode)
