@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pdserve.engine.distributed.layout import ShardLayout
+if TYPE_CHECKING:
+    from pdserve.engine.distributed.layout import ShardLayout
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 KV_CACHE_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8": 1}  # besides "auto": the weights' dtype
@@ -46,6 +48,8 @@ class ModelShape:
 
     def layout(self, tensor_parallel_size: int) -> ShardLayout:
         """Rank 0's shard (every rank's is as large); ValueError for sizes that do not split."""
+        from pdserve.engine.distributed.layout import ShardLayout
+
         return ShardLayout.for_rank(
             0, tensor_parallel_size, self.num_heads, self.num_kv_heads, self.head_dim,
             self.intermediate_size, self.vocab_size,

@@ -244,7 +244,8 @@ def test_generated_secret_stays_off_command_lines_and_only_its_holders_join(
         refused = "refuses the connection handshake"
 
         def right_joined_and_wrong_refused() -> bool:
-            assert all(j.poll() is None for j in joiners), logs["wrong"].read_text()[-2000:]
+            for name, joiner in zip(("wrong", "right"), joiners):
+                assert joiner.poll() is None, f"{name} exited: {logs[name].read_text()[-2000:]}"
             return node_up(server).get("right") == 1 and refused in logs["wrong"].read_text()
 
         wait_until(right_joined_and_wrong_refused, 120, "the right node joining, the wrong refused")
