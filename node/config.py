@@ -30,7 +30,8 @@ class NodeConfig:
     )
     listen_address: str = option(
         flag="--listen", launcher_sets=True, metavar="ADDR",
-        help="the ZeroMQ address to bind, e.g. tcp://HOST:PORT (required)",
+        help="the ZeroMQ address to bind, e.g. tcp://HOST:PORT; port 0: one the OS picks, "
+        "which the node reports to the router (required)",
     )
     router_address: str = option(
         flag="--router", launcher_sets=True, metavar="ADDR",

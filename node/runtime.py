@@ -65,6 +65,13 @@ def refuse_tensor_parallel_on_gpu(engine_config: EngineConfig, role: str) -> Non
         )
 
 
+def with_chosen_port(address: str, bound: str) -> str:
+    """`address` (the advertised or listen address) with the port the OS chose where it asks
+    for port 0 (`--listen tcp://HOST:0`): the router learns it from the node's stats."""
+    host, _, port = address.rpartition(":")
+    return f"{host}:{bound.rpartition(':')[2]}" if port == "0" else address
+
+
 class NodeRuntime:
     """The loop and sockets of one node; the roles (colocated_node/, prefill_node/,
     decode_node/) subclass it and fill in the hooks below."""
@@ -133,6 +140,8 @@ class NodeRuntime:
         )
         try:
             self._pull.bind(config.listen_address)
+            bound = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.advertise_address = with_chosen_port(config.reachable_address, bound)
             self._push.connect(config.router_address)
             poller = zmq.Poller()
             poller.register(self._pull, zmq.POLLIN)
@@ -140,7 +149,7 @@ class NodeRuntime:
                 "%s node %s listening on %s, sending to %s",
                 self.role,
                 self.node_id,
-                config.listen_address,
+                bound,
                 config.router_address,
             )
             self.send_stats()

@@ -183,7 +183,7 @@ def start_joiner(tiny_llama_dir, node_id: str, router: str, log: Path, secret_fl
         return subprocess.Popen(
             [sys.executable, "-m", "pdserve.commands.cli", "prefill",
              "--model", str(tiny_llama_dir),
-             "--node-id", node_id, "--listen", f"tcp://127.0.0.1:{free_port()}",
+             "--node-id", node_id, "--listen", "tcp://127.0.0.1:0",
              "--router", router, "--kv-cache-memory", str(16 << 20), *secret_flag],
             cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
         )
