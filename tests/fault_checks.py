@@ -176,6 +176,18 @@ def children_of(pid: int) -> list[int]:
     return [int(line) for line in result.stdout.split()]
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM (a node's or server's clean shutdown), then SIGKILL if it has not exited
+    within `timeout_s`."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

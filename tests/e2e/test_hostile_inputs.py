@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from starlette.testclient import TestClient
 
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
+from tests.fault_checks import stop_process
 from tests.nodes.test_colocated_node import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,12 +67,7 @@ def served(tiny_llama_dir, tmp_path_factory):
             yield app, client
             assert process.poll() is None, log_path.read_text()[-3000:]
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=15)
         log.close()
 
 

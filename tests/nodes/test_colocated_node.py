@@ -8,7 +8,6 @@ expects a clean exit 0 (killing it if it does not stop in time).
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pdserve.wire.messages import (
     decode,
     encode,
 )
+from tests.fault_checks import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
@@ -119,12 +119,7 @@ def node(tiny_llama_dir, tmp_path_factory):
         assert stats.num_free_blocks == stats.num_total_blocks == 128
         yield router
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=15)
         log.close()
         router.close()
     stderr = log_path.read_text()

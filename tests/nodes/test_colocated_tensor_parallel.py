@@ -5,7 +5,6 @@ offline engine's, and SIGTERM stops both."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import zmq
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.wire.messages import Generate
-from tests.fault_checks import wait_until
+from tests.fault_checks import stop_process, wait_until
 from tests.nodes.test_colocated_node import PROMPTS, READY_TIMEOUT, Router, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,12 +58,7 @@ def test_a_two_rank_colocated_node_serves_the_one_rank_tokens_and_stops_its_work
                 assert results[f"tp-{i}"]["failed"] is None
                 assert results[f"tp-{i}"]["tokens"] == reference.token_ids
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process)
             router.close()
     stderr = log_path.read_text()
     assert process.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]

@@ -31,7 +31,7 @@ from pdserve.kvtransfer import (
     TransferKind,
 )
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth, is_loopback
-from tests.fault_checks import HEARTBEAT_S, wait_until
+from tests.fault_checks import HEARTBEAT_S, children_of, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
@@ -189,21 +189,6 @@ def start_joiner(tiny_llama_dir, node_id: str, router: str, log: Path, secret_fl
         )
 
 
-def children_of(pid: int) -> list[int]:
-    result = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
-    return [int(line) for line in result.stdout.split()]
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def test_generated_secret_stays_off_command_lines_and_only_its_holders_join(
     tiny_llama_dir, tmp_path
 ):
@@ -262,5 +247,5 @@ def test_generated_secret_stays_off_command_lines_and_only_its_holders_join(
         assert "wrong" not in node_up(server)
     finally:
         for joiner in joiners:
-            stop(joiner)
+            stop_process(joiner)
         server.close()
