@@ -47,14 +47,19 @@ class KVCacheSpec:
 KV_CACHE_LAYOUT = "layer,kv,block,kv_head,token,head_dim"
 
 
+def check_holds_a_block(spec: KVCacheSpec, num_blocks: int) -> None:
+    """ValueError, with the bytes one block needs, for a cache sized to no block."""
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget holds no block: {spec.bytes_per_block} bytes per block needed"
+        )
+
+
 class KVCache:
     num_ranks: int = 1  # tensor-parallel shards the buffer holds (engine/shared_kv_cache.py)
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget holds no block: {spec.bytes_per_block} bytes per block needed"
-            )
+        check_holds_a_block(spec, num_blocks)
         self.spec = spec
         self.num_blocks = num_blocks
         self.buffer = torch.zeros(spec.buffer_shape(num_blocks), dtype=spec.dtype, device=device)

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import secrets
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv_cache import KVCache, KVCacheSpec, check_holds_a_block
 from pdserve.engine.shared_segment import SharedSegment
 
 RANKS_ID_PREFIX = "tp-"
@@ -42,10 +42,7 @@ class SharedKVCache(KVCache):
     ) -> SharedKVCache:
         """A zeroed cache of `num_blocks` blocks of `spec` (the whole node's spec) in a new
         segment `pdserve-kv-<segment_id>`."""
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget holds no block: {spec.bytes_per_block} bytes per block needed"
-            )
+        check_holds_a_block(spec, num_blocks)
         segment = SharedSegment.create(segment_id, num_blocks * spec.bytes_per_block)
         return cls._over(segment, spec, num_ranks)
 
