@@ -126,6 +126,18 @@ def clean_tiny_llm(tiny_llm):
     assert manager.num_free_blocks == manager.num_blocks
 
 
+@pytest.fixture
+def node_id():
+    """A fresh node id for a KV receiver; its shared-memory segment must be gone afterwards."""
+    import uuid
+
+    from pdserve.engine.shared_segment import SHM_DIR, segment_name
+
+    node = f"n{uuid.uuid4().hex[:10]}"
+    yield node
+    assert not (SHM_DIR / segment_name(node)).exists()
+
+
 @pytest.fixture(scope="session")
 def pdserve_process(default_model_dir, tmp_path_factory):
     """`pdserve serve` on the default model (router, prefill node, decode node), as real

@@ -6,13 +6,11 @@ blocks."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.shared_segment import SHM_DIR, segment_name
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,
@@ -28,13 +26,6 @@ FP8_SPEC = KVCacheSpec(
     num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float8_e4m3fn
 )
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def node_id():
-    node = f"f{uuid.uuid4().hex[:10]}"
-    yield node
-    assert not (SHM_DIR / segment_name(node)).exists()
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import zmq
 
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.shared_segment import SHM_DIR, SharedSegment, segment_name
+from pdserve.engine.shared_segment import SHM_DIR, SharedSegment
 from pdserve.kvtransfer import (
     TRANSPORT_NAMES,
     ChannelReceiver,
@@ -34,13 +33,6 @@ from pdserve.kvtransfer.transports.registry import receiver_transport
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def node_id():
-    node = f"u{uuid.uuid4().hex[:10]}"
-    yield node
-    assert not (SHM_DIR / segment_name(node)).exists()
 
 
 def make_pair(transport, node_id, grace=0.2, sender_config=None, spec=SPEC, num_blocks=32):

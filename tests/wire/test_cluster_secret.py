@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,6 @@ import zmq
 from pdserve.commands.launcher import free_port
 from pdserve.commands.serve_process import ServeProcess
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.shared_segment import SHM_DIR, segment_name
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,
@@ -82,13 +80,6 @@ def test_only_loopback_addresses_are_allowed_without_a_secret():
             [("--listen", "tcp://127.0.0.1:5"), ("--advertise", "tcp://10.1.2.3:5")]
         )
     ClusterAuth.from_secret("c" * 16).check_addresses([("--listen", "tcp://0.0.0.0:5")])
-
-
-@pytest.fixture
-def node_id():
-    node = f"s{uuid.uuid4().hex[:10]}"
-    yield node
-    assert not (SHM_DIR / segment_name(node)).exists()
 
 
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
