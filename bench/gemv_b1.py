@@ -8,9 +8,10 @@ holds, so each weight comes from memory as in a real step. Every kernel runs one
 number is the best of `--rounds` interleaved rounds: on a shared small machine another process's
 burst stalls whichever kernel it overlaps, and interleaving spreads that over all of them.
 
-Two candidates beside torch's own kernels: a bf16 GEMV compiled by numba (each weight word
-widened to fp32 by a shift and a bit cast inside the multiply-add loop, rows split over the
-threads: what a kernel of pdserve's own could do without a C compiler), and int8 weight-only
+Candidates beside torch's own kernels: pdserve's one-token bf16 kernel (kernels/cpu_gemv.py:
+AVX512-BF16 dot products, compiled by numba; the engine's batch-1 path on CPUs that have the
+instruction), an earlier bf16 GEMV compiled by numba (each weight word widened to fp32 by a shift
+and a bit cast inside the multiply-add loop), and int8 weight-only
 (`torch.ops.aten._weight_int8pack_mm`, per-row scales: half the bytes of bf16).
 
 GB/s is weight bytes / round time; "of read" divides it by bench/bandwidth.py's read bandwidth,
@@ -116,6 +117,19 @@ def _numba_operand(weight: torch.Tensor) -> tuple:
     return words, np.empty(weight.shape[0], np.float32)
 
 
+def _pdserve_operand(weight: torch.Tensor) -> tuple:
+    from pdserve.kernels.cpu_gemv import bf16_words
+
+    bf16 = weight.to(torch.bfloat16).contiguous()
+    return bf16, bf16_words(bf16), np.zeros(weight.shape[0], np.float32)
+
+
+def _pdserve_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
+    from pdserve.kernels.cpu_gemv import gemv_bf16
+
+    return gemv_bf16(x, operand[1], operand[2])
+
+
 def kernels() -> list[Kernel]:
     found = [
         Kernel("F.linear", torch.float32, lambda w: w, lambda x, w: F.linear(x, w)),
@@ -126,6 +140,12 @@ def kernels() -> list[Kernel]:
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found.insert(1, Kernel("oneDNN prepacked", torch.float32, _packed, _packed_call))
         found.insert(4, Kernel("oneDNN prepacked", torch.bfloat16, _packed, _packed_call))
+    from pdserve.kernels.cpu_gemv import cpu_gemv_available
+
+    if cpu_gemv_available():
+        found.append(
+            Kernel("pdserve one-token (AVX512-BF16)", torch.bfloat16, _pdserve_operand, _pdserve_call)
+        )
     numba_call = _numba_gemv()
     if numba_call is not None:
         found.append(Kernel("numba, widened in the loop", torch.bfloat16, _numba_operand, numba_call))

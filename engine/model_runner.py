@@ -93,6 +93,12 @@ class ModelRunner:
             model_config, max_model_len, self.dtype, self.device, config.load_format, config.seed,
             self.layout if sharded else None, self.group if sharded else None,
         )
+        copies = self.model.one_token_copy_bytes()
+        if copies:
+            logger.info(
+                "one-token steps use the AVX512-BF16 kernel: linear weights kept twice "
+                "(%.1f MiB more)", copies / 2**20,
+            )
         self.sampler = Sampler(config.seed, self.device)
         self.attention_class = attention_backend_class(config.attention_backend)
         spec = KVCacheSpec(

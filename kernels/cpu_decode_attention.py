@@ -51,10 +51,11 @@ missing (or the cache is fp16) the engine keeps the gather path.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
+
+from pdserve.kernels.numba_threads import run_parallel
 
 try:
     import numba
@@ -66,9 +67,6 @@ except ImportError:  # the engine falls back to its gather path
     numba = None
 
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
-# Numba's workqueue threading layer aborts the process when two threads enter a parallel
-# kernel at once; one lock per process keeps every layer safe (the engine calls from one thread).
-_KERNEL_LOCK = threading.Lock()
 
 
 def cpu_decode_attention_available(cache_dtype: torch.dtype) -> bool:
@@ -341,14 +339,7 @@ def run_decode_kernel(
     already scaled and contiguous; caches from `cache_array`; int32 tables and lengths; fp32
     `out`. Nothing is checked here: a caller that calls it every layer of every step (the
     torch backend) checks once and keeps the arrays (engine/attention/cpu_decode.py)."""
-    threads = torch.get_num_threads()
-    with _KERNEL_LOCK:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        if torch.get_num_threads() != threads:
-            # Numba's OpenMP layer, started by its first call, sets the process's OpenMP
-            # thread count (torch's too) to NUMBA_NUM_THREADS: give torch its own back.
-            torch.set_num_threads(threads)
-        _decode_kernel(
-            query, key_cache, value_cache, block_tables, seq_lens, sliding_window or 0,
-            np.float32(k_scale), np.float32(v_scale), out,
-        )
+    run_parallel(
+        _decode_kernel, query, key_cache, value_cache, block_tables, seq_lens,
+        sliding_window or 0, np.float32(k_scale), np.float32(v_scale), out,
+    )

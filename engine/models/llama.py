@@ -230,6 +230,14 @@ class LlamaForCausalLM(nn.Module):
         )
         return linear + norms
 
+    def one_token_copy_bytes(self) -> int:
+        """Bytes of the row-major weight copies kept for one-token steps (layers/linear.py's
+        OneTokenWeight; 0 where its kernel does not run)."""
+        return sum(
+            m.one_token.weight.numel() * m.one_token.weight.element_size()
+            for m in self.modules() if isinstance(m, Linear) and m.one_token is not None
+        )
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors into the (fused, transposed) parameters; all must arrive."""
         expected = {name for name, _ in self.named_parameters()}

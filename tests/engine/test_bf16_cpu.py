@@ -101,9 +101,18 @@ def test_bf16_logprobs_of_the_fp32_greedy_tokens_stay_within_the_bound(family):
             assert worst <= LOGPROB_BOUND, (len(prompt), config, worst)
 
 
-def test_bf16_decode_steps_score_the_fp32_greedy_tokens_within_the_bound(family):
+@pytest.mark.parametrize("together", [True, False], ids=["batched", "one-at-a-time"])
+def test_bf16_decode_steps_score_the_fp32_greedy_tokens_within_the_bound(family, together):
+    """One at a time, every decode step multiplies one token: on a CPU with AVX512-BF16 that
+    is kernels/cpu_gemv.py's path, batches are oneDNN's."""
     model_dir, prompts, fp32_tokens = family
-    bf16 = LLM(model_dir, dtype="bfloat16").generate(prompts, GREEDY_WITH_LOGPROBS)
+    if not together:
+        prompts, fp32_tokens = prompts[:3], fp32_tokens[:3]
+    llm = LLM(model_dir, dtype="bfloat16")
+    if together:
+        bf16 = llm.generate(prompts, GREEDY_WITH_LOGPROBS)
+    else:
+        bf16 = [llm.generate([prompt], GREEDY_WITH_LOGPROBS)[0] for prompt in prompts]
     fp32 = LLM(model_dir, dtype="float32").generate(prompts, GREEDY_WITH_LOGPROBS)
     for output, reference, expected in zip(bf16, fp32, fp32_tokens):
         assert reference.token_ids == expected  # the fp32 gate, here with logprobs asked
