@@ -121,7 +121,7 @@ def _pdserve_operand(weight: torch.Tensor) -> tuple:
     from pdserve.kernels.cpu_gemv import bf16_words
 
     bf16 = weight.to(torch.bfloat16).contiguous()
-    return bf16, bf16_words(bf16), np.zeros(weight.shape[0], np.float32)
+    return bf16, bf16_words(bf16), bf16_words(torch.zeros(0, dtype=torch.bfloat16))
 
 
 def _pdserve_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:

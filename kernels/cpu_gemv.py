@@ -14,7 +14,7 @@ How. The weight stays in HF's row-major [out, in] layout (bf16 words; `in` a mul
 Four rows at a time, each keeps 16 fp32 lanes; every step loads 32 words of each row and of x
 and adds their pairwise products into the lanes (vdpbf16ps: exact products, fp32 sums rounded to
 nearest even; bf16 subnormals count as zero), while the rows four ahead are prefetched. The
-lanes are summed, the bias added in fp32 and the result rounded to bf16 (nearest even), as
+lanes are summed, the bias (bf16) added in fp32 and the result rounded to bf16 (nearest even), as
 oneDNN does, up to the order of the sums (so the outputs can differ from oneDNN's by a bf16 ulp).
 The blocks of rows are split over numba's threads, as many as torch uses.
 
@@ -170,8 +170,15 @@ if numba is not None:
             rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
             out[index] = np.uint16((bits + rounding) >> np.uint32(16))
 
+    @njit(inline="always")
+    def _bias(bias, row):
+        """bias[row] (a bf16 word) as fp32; 0 for no bias (an empty array)."""
+        if bias.shape[0] == 0:
+            return np.float32(0.0)
+        return np.uint32(np.uint32(bias[row]) << np.uint32(16)).view(np.float32)
+
     def _gemv_loops(weight, x, bias, out):
-        """weight [out, in] uint16 (bf16 words), x [in] uint16, bias [out] fp32 (zeros for
+        """weight [out, in] uint16 (bf16 words), x [in] uint16, bias [out] uint16 (empty for
         none), out [out] uint16: out = bf16(weight @ x + bias)."""
         num_rows = weight.shape[0]
         num_blocks = num_rows // ROWS_PER_BLOCK
@@ -179,9 +186,9 @@ if numba is not None:
             first = block * ROWS_PER_BLOCK
             sums = _dot_block(weight, first, x)
             for r in range(ROWS_PER_BLOCK):
-                _store_bf16(out, first + r, sums[r] + bias[first + r])
+                _store_bf16(out, first + r, sums[r] + _bias(bias, first + r))
         for row in range(num_blocks * ROWS_PER_BLOCK, num_rows):
-            _store_bf16(out, row, _dot_row(weight, row, x)[0] + bias[row])
+            _store_bf16(out, row, _dot_row(weight, row, x)[0] + _bias(bias, row))
 
     try:
         _gemv_kernel = njit(cache=True, parallel=True)(_gemv_loops)
@@ -195,8 +202,8 @@ def bf16_words(tensor: torch.Tensor) -> np.ndarray:
 
 
 def gemv_bf16(x: torch.Tensor, weight: np.ndarray, bias: np.ndarray) -> torch.Tensor:
-    """[1, in] bf16 x -> [1, out] bf16, with `weight` from `bf16_words` of a weight that
-    `gemv_fits` and `bias` an fp32 [out] array (zeros for none). Unchecked: the engine's Linear
+    """[1, in] bf16 x -> [1, out] bf16, with `weight` and `bias` from `bf16_words` of a weight
+    that `gemv_fits` and of its bf16 bias (an empty array for none). Unchecked: the engine's Linear
     checks once, when it keeps the weight (engine/layers/linear.py)."""
     out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
     run_parallel(_gemv_kernel, weight, bf16_words(x.contiguous())[0], bias, bf16_words(out)[0])

@@ -71,10 +71,9 @@ class OneTokenWeight:
         from pdserve.kernels import cpu_gemv
 
         self.weight = weight.detach().contiguous()
-        rows = self.weight.shape[0]
-        self.bias = torch.zeros(rows) if bias is None else bias.detach().float().contiguous()
+        self.bias = torch.zeros(0, dtype=weight.dtype) if bias is None else bias.detach()
         self._words = cpu_gemv.bf16_words(self.weight)
-        self._bias = self.bias.numpy()
+        self._bias = cpu_gemv.bf16_words(self.bias.contiguous())
         self._gemv = cpu_gemv.gemv_bf16
 
     @classmethod

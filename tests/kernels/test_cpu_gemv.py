@@ -32,35 +32,39 @@ def test_kernel_equals_the_fp32_product_rounded_to_bf16(rows, columns, with_bias
     generator = torch.Generator().manual_seed(rows + columns)
     weight = (torch.randn(rows, columns, generator=generator) * 0.05).bfloat16()
     x = torch.randn(1, columns, generator=generator).bfloat16()
-    bias = torch.randn(rows, generator=generator) if with_bias else torch.zeros(rows)
+    bias = torch.randn(rows, generator=generator).bfloat16() if with_bias else torch.zeros(0)
 
-    out = gemv_bf16(x, bf16_words(weight), bias.numpy())
+    out = gemv_bf16(x, bf16_words(weight), bf16_words(bias.bfloat16()))
 
-    reference = x.float() @ weight.float().T + bias
+    reference = x.float() @ weight.float().T + (bias.float() if with_bias else 0.0)
     assert out.dtype == torch.bfloat16 and out.shape == (1, rows)
     assert ((out.float() - reference).abs() <= bf16_ulp(reference)).all()
 
 
 @needs_avx512_bf16
 def test_kernel_rounds_to_nearest_even_as_torch_does_and_keeps_nan():
-    """Weight row r picks x[r] (one 1.0 in the row), so each output is x[r] + bias[r] in fp32,
-    computed exactly; the biases make ties, subnormals, infinities and a NaN."""
-    special = torch.tensor(
-        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, float("inf"), float("-inf"),
-         3.4028234663852886e38, float("nan"), 0.0, 1.0],
-    )
-    rows = len(special)
+    """Weight row r picks x[r] (one 1.0 in the row), so output r is x[r] + bias[r] computed
+    exactly in fp32: pairs of bf16 numbers whose sums are ties, a subnormal, an overflow,
+    infinities and a NaN."""
+    pairs = [
+        (1.0, 2**-8), (1.0, 3 * 2**-8), (-1.0, -(2**-8)), (2**-126, -(2**-127)),
+        (1.0, float("inf")), (1.0, float("-inf")), (3.3895e38, 3.3895e38), (1.0, float("nan")),
+        (0.0, 0.0), (0.5, 1.0),
+    ]
+    rows = len(pairs)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, :rows] = torch.tensor([a for a, _ in pairs]).bfloat16()
+    bias = torch.tensor([b for _, b in pairs]).bfloat16()
     weight = torch.zeros(rows, 32, dtype=torch.bfloat16)
     weight[torch.arange(rows), torch.arange(rows)] = 1.0
-    x = torch.zeros(1, 32, dtype=torch.bfloat16)
-    x[0, rows - 1] = 0.5  # the last row: 0.5 + 1.0
 
-    out = gemv_bf16(x, bf16_words(weight), special.numpy())
+    out = gemv_bf16(x, bf16_words(weight), bf16_words(bias))
 
-    expected = (x.float()[0, :rows] + special).to(torch.bfloat16)
+    expected = (x.float()[0, :rows] + bias.float()).to(torch.bfloat16)
     nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(out[0]), nan)
+    assert nan.sum() == 1 and torch.equal(torch.isnan(out[0]), nan)
     assert torch.equal(out[0][~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert out[0, 0] == 1.0 and out[0, 1] == 1 + 2**-6 and out[0, 6] == float("inf")
 
 
 def test_only_bf16_cpu_weights_whose_rows_hold_whole_steps_of_32_fit():
