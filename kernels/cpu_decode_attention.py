@@ -59,10 +59,10 @@ from pdserve.kernels.numba_threads import run_parallel
 
 try:
     import numba
-    from llvmlite import ir
     from numba import njit, prange, types
-    from numba.core import cgutils
     from numba.extending import intrinsic, overload
+
+    from pdserve.kernels.llvm_prefetch import emit_prefetch
 except ImportError:  # the engine falls back to its gather path
     numba = None
 
@@ -133,15 +133,7 @@ if numba is not None:
 
         def codegen(context, builder, signature, args):
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-            i32 = ir.IntType(32)
-            suffix = "p0" if getattr(address.type, "is_opaque", False) else "p0i8"
-            function_type = ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32])
-            function = cgutils.get_or_insert_function(
-                builder.module, function_type, f"llvm.prefetch.{suffix}"
-            )
-            read, keep_in_all_levels, data_cache = (ir.Constant(i32, n) for n in (0, 3, 1))
-            builder.call(function, [address, read, keep_in_all_levels, data_cache])
+            emit_prefetch(builder, builder.gep(data, [args[1]]))
             return context.get_dummy_value()
 
         return types.void(array, offset), codegen

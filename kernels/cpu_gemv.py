@@ -38,6 +38,8 @@ try:
     from numba import njit, prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
+
+    from pdserve.kernels.llvm_prefetch import emit_prefetch
 except ImportError:  # the engine keeps oneDNN
     numba = None
 
@@ -90,7 +92,7 @@ if numba is not None:
             def codegen(context, builder, sig, args):
                 weights = context.make_array(sig.args[0])(context, builder, args[0])
                 vector = context.make_array(sig.args[2])(context, builder, args[2])
-                i32, i64 = ir.IntType(32), ir.IntType(64)
+                i64 = ir.IntType(64)
                 lanes = ir.VectorType(ir.FloatType(), 16)
                 words = ir.VectorType(ir.IntType(16), WORDS_PER_STEP)
                 pairs = ir.VectorType(_BFloat(), WORDS_PER_STEP)
@@ -103,13 +105,6 @@ if numba is not None:
                     module, ir.FunctionType(ir.FloatType(), [ir.FloatType(), lanes]),
                     "llvm.vector.reduce.fadd.v16f32",
                 )
-                byte_pointer = ir.IntType(8).as_pointer()
-                opaque = getattr(byte_pointer, "is_opaque", False)
-                prefetch = cgutils.get_or_insert_function(
-                    module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]),
-                    "llvm.prefetch.p0" if opaque else "llvm.prefetch.p0i8",
-                )
-                read, keep, data = (ir.Constant(i32, n) for n in (0, 3, 1))
                 in_features = builder.extract_value(weights.shape, 1)
                 ahead = builder.mul(ir.Constant(i64, rows), in_features)
                 starts = [
@@ -134,10 +129,8 @@ if numba is not None:
                     x_pairs = load_words(vector.data, i)
                     for r in range(rows):
                         index = builder.add(starts[r], i)
-                        next_rows = builder.gep(weights.data, [builder.add(index, ahead)])
-                        builder.call(
-                            prefetch,
-                            [builder.bitcast(next_rows, byte_pointer), read, keep, data],
+                        emit_prefetch(
+                            builder, builder.gep(weights.data, [builder.add(index, ahead)])
                         )
                         total = builder.call(
                             dot_product,

@@ -1,0 +1,22 @@
+"""A software prefetch for the numba kernels' generated code (cpu_decode_attention.py,
+cpu_gemv.py): LLVM's llvm.prefetch on one address, a hint that never faults, even past the end
+of an array. Imported only where numba (and so llvmlite) is."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+
+
+def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value) -> None:
+    """Asks the CPU to bring the cache line at `pointer` into all its cache levels, for a read."""
+    address = builder.bitcast(pointer, ir.IntType(8).as_pointer())
+    i32 = ir.IntType(32)
+    suffix = "p0" if getattr(address.type, "is_opaque", False) else "p0i8"
+    function = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]),
+        f"llvm.prefetch.{suffix}",
+    )
+    read, keep_in_all_levels, data_cache = (ir.Constant(i32, n) for n in (0, 3, 1))
+    builder.call(function, [address, read, keep_in_all_levels, data_cache])
