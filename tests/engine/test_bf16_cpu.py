@@ -20,7 +20,9 @@ a CPU without native bf16 is only slower):
    and at decode steps while the bf16 tokens still follow them. Measured max on the same
    machine: 0.39 nats as a prompt - exactly transformers' own bf16 against its fp32: these
    random models with a wide initializer are harsh on bf16 - and 0.43 at decode steps; the
-   bound, 0.75 nats, leaves 1.7x for other CPUs' rounding.
+   bound, 0.75 nats, leaves 1.7x for other CPUs' rounding. Decode steps are scored batched
+   and one request at a time: on a CPU with AVX512-BF16 a one-token step's linears run
+   kernels/cpu_gemv.py, whose sums round in another order than oneDNN's batches.
 """
 
 from __future__ import annotations
