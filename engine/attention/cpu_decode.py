@@ -2,7 +2,8 @@
 which reads every decoding sequence's blocks in place through its block table.
 
 `CpuDecodeKernel.for_cache` returns None where that kernel cannot run (not a CPU cache, a
-dtype other than fp32, bf16 or fp8 e4m3, numba not installed), and the backend keeps its gather path
+dtype other than fp32, bf16 or fp8 e4m3, a head dim that is not a multiple of 16, numba not
+installed), and the backend keeps its gather path
 (`TorchAttentionBackend._decode`), which is also the kernel's reference in the tests. Built
 once per backend; it compiles the kernel for the cache's dtype right away (or loads numba's
 on-disk cache: a fraction of a second), so no decode step pays the compile.
@@ -69,7 +70,7 @@ class CpuDecodeKernel:
             return None
         from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
 
-        if not cpu_decode_attention_available(spec.dtype):
+        if not cpu_decode_attention_available(spec.dtype, spec.head_dim):
             return None
         kernel = cls(spec.block_size, scale, sliding_window, kv_scales)
         kernel.compile(kv_cache, num_heads)

@@ -1,7 +1,8 @@
 """The CPU decode attention kernel (numba) equals the pure-torch reference within fp32
 tolerance: shuffled, non-contiguous block tables, lengths of 0, 1, a block, a block + 1 and
-long, GQA groups of 1, 3 and 8 query heads per KV head, head dims 64 and 128, with and without
-a sliding window, over fp32 and bf16 caches, and over fp8 (e4m3) caches read times their key
+long, GQA groups of 1 to 8 query heads per KV head, head dims 48 to 256, block sizes 5 to 64,
+with and without a sliding window, over fp32 and bf16 caches (NaN in a block's unwritten slots
+harmless), and over fp8 (e4m3) caches read times their key
 and value scales. The torch backend's decode with the kernel equals its gather path on a mixed
 batch (fp32 and fp8 with scales), and falls back to that path when numba is missing."""
 
@@ -24,13 +25,13 @@ FP32 = {"atol": 1e-5, "rtol": 1e-5}
 LENGTHS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 0, 3 * BLOCK_SIZE - 1, 300, 2]
 
 
-def paged_case(seq_lens, num_kv_heads, group, head_dim, dtype, seed=0):
+def paged_case(seq_lens, num_kv_heads, group, head_dim, dtype, seed=0, block_size=BLOCK_SIZE):
     """(q, key_cache, value_cache, block_tables, seq_lens): caches are layer 1 of a two-layer
     buffer, every sequence's blocks drawn at random from a shuffled pool (padded with 0)."""
     generator = torch.Generator().manual_seed(seed)
-    counts = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    counts = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(counts) + 5
-    shape = (2, 2, num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
+    shape = (2, 2, num_blocks, num_kv_heads, block_size, head_dim)
     buffer = torch.randn(shape, generator=generator).to(dtype)
     order = torch.randperm(num_blocks, generator=generator).tolist()
     width, rows, used = max(counts), [], 0
@@ -156,6 +157,68 @@ def mixed_step_outputs(backend: TorchAttentionBackend, seed: int) -> torch.Tenso
     k = torch.randn(tokens, kv_heads, dim, generator=generator)
     v = torch.randn(tokens, kv_heads, dim, generator=generator)
     return backend.forward(0, q, k, v, backend.prepare(batch))
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "block_size, num_kv_heads, group, head_dim, sliding_window",
+    [
+        (8, 2, 7, 80, None),  # half-block chunks; one head per call; 80 = 2 x 32 + 16 in bf16
+        (32, 1, 4, 96, 40),  # two chunks per block, a window starting inside either
+        (5, 2, 2, 48, 9),  # one-token chunks
+        (64, 1, 2, 256, None),  # a head's accumulators fill the registers
+    ],
+)
+def test_kernel_equals_reference_for_other_block_sizes_head_dims_and_groups(
+    block_size, num_kv_heads, group, head_dim, sliding_window, dtype
+):
+    lengths = [1, block_size, block_size + 1, 0, 3 * block_size - 1, 300, 2, 17]
+    q, key_cache, value_cache, tables, lens = paged_case(
+        lengths, num_kv_heads, group, head_dim, dtype, block_size=block_size
+    )
+    scale = head_dim**-0.5
+    out = torch.full(q.shape, 7.0)
+
+    cpu_decode_attention(q, key_cache, value_cache, tables, lens, scale, sliding_window, out)
+
+    expected = decode_attention_reference(
+        q.float(), key_cache.float(), value_cache.float(), tables, lens, scale, sliding_window
+    )
+    torch.testing.assert_close(out, expected, **FP32)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nan_in_the_unwritten_slots_of_a_block_does_not_reach_the_output(dtype):
+    lengths = [1, BLOCK_SIZE + 3, 40]
+    q, key_cache, value_cache, tables, lens = paged_case(lengths, 2, 3, 64, dtype)
+    expected = decode_attention_reference(
+        q.float(), key_cache.float(), value_cache.float(), tables, lens, 0.125, None
+    )
+    for row, length in zip(tables.tolist(), lengths):  # past each sequence's end: NaN
+        last_block, used = row[(length - 1) // BLOCK_SIZE], (length - 1) % BLOCK_SIZE + 1
+        key_cache[last_block, :, used:] = float("nan")
+        value_cache[last_block, :, used:] = float("nan")
+
+    out = cpu_decode_attention(q.float(), key_cache, value_cache, tables, lens, 0.125)
+
+    torch.testing.assert_close(out, expected, **FP32)
+
+
+def test_heads_per_call_fills_the_registers_with_a_divisor_of_the_group():
+    assert kernel_module.heads_per_call(3, 64) == 3  # 12 accumulator vectors
+    assert kernel_module.heads_per_call(8, 64) == 4  # 16
+    assert kernel_module.heads_per_call(8, 128) == 2
+    assert kernel_module.heads_per_call(7, 64) == 1  # 7 is prime and 28 vectors do not fit
+    assert kernel_module.heads_per_call(4, 512) == 1  # one head always
+
+
+def test_backend_keeps_the_gather_path_for_a_head_dim_off_the_vector_width():
+    spec = KVCacheSpec(1, 2, 72, BLOCK_SIZE, torch.float32)
+    backend = TorchAttentionBackend(KVCache(spec, 40, torch.device("cpu")), 4, 2, 72, None)
+    assert backend.cpu_decode is None
+    assert mixed_step_outputs(backend, 2).isfinite().all()
 
 
 @needs_numba
