@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.block_moves import copy_blocks
+from pdserve.engine.huge_pages import zeroed_cpu_bytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,12 @@ class KVCache:
         check_holds_a_block(spec, num_blocks)
         self.spec = spec
         self.num_blocks = num_blocks
-        self.buffer = torch.zeros(spec.buffer_shape(num_blocks), dtype=spec.dtype, device=device)
+        shape = spec.buffer_shape(num_blocks)
+        if device.type == "cpu":  # on huge pages: decode attention reads it block by block
+            memory = zeroed_cpu_bytes(spec.bytes_per_block * num_blocks)
+            self.buffer = memory.view(spec.dtype).view(shape)
+        else:
+            self.buffer = torch.zeros(shape, dtype=spec.dtype, device=device)
 
     @classmethod
     def over_buffer(cls, spec: KVCacheSpec, buffer: torch.Tensor) -> KVCache:

@@ -23,6 +23,7 @@ from torch import nn
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.distributed.group import RankGroup
 from pdserve.engine.distributed.layout import ShardLayout
+from pdserve.engine.huge_pages import zeroed_cpu_bytes
 from pdserve.engine.layers.linear import FusedLinear, Linear
 from pdserve.engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding, take_shard
 from pdserve.engine.layers.rms_norm import RMSNorm
@@ -234,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of the row-major weight copies kept for one-token steps (layers/linear.py's
         OneTokenWeight; 0 where its kernel does not run)."""
         return sum(
-            m.one_token.weight.numel() * m.one_token.weight.element_size()
+            m.one_token.num_bytes
             for m in self.modules() if isinstance(m, Linear) and m.one_token is not None
         )
 
@@ -298,6 +299,17 @@ class LlamaForCausalLM(nn.Module):
         self._pack_linears()
 
     def _pack_linears(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
+        """Packs every linear, then moves the one-token copies (if any) into one buffer on huge
+        pages, each at a 64-byte boundary."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        for module in linears:
+            module.pack()
+        copies = [module.one_token for module in linears if module.one_token is not None]
+        if not copies:
+            return
+        starts = [0]
+        for copy in copies:
+            starts.append(starts[-1] + -(-copy.num_bytes // 64) * 64)
+        memory = zeroed_cpu_bytes(starts[-1])
+        for copy, start in zip(copies, starts):
+            copy.move_into(memory[start : start + copy.num_bytes])

@@ -6,6 +6,8 @@ kernel cannot run (those tests run on every CPU)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,9 @@ def test_a_bf16_model_keeps_a_row_major_copy_of_each_linear_only_where_the_kerne
     expected = sum(m.in_features * m.out_features * 2 for m in linears)
     assert model.one_token_copy_bytes() == (expected if cpu_gemv_available() else 0)
     assert all((m.one_token is not None) == cpu_gemv_available() for m in linears)
+    if cpu_gemv_available():  # one buffer (on huge pages), each copy 64-byte aligned in it
+        copies = sorted((m.one_token for m in linears), key=lambda c: c.weight.data_ptr())
+        assert len({c.weight.untyped_storage().data_ptr() for c in copies}) == 1
+        for copy, after in itertools.pairwise(copies):
+            assert copy.weight.data_ptr() % 64 == 0
+            assert copy.weight.data_ptr() + copy.num_bytes <= after.weight.data_ptr()
