@@ -26,6 +26,7 @@ class DecodeTiming:
     step_s: list[float]
     forward_s: list[float]
     linears_s: float = 0.0  # the model's Linear layers alone, each called on a [1, in] input
+    compiled: bool = False  # the forward was engine/one_token_step.py's compiled step
 
     @property
     def median_step_s(self) -> float:
@@ -37,18 +38,21 @@ class DecodeTiming:
 
 
 def measure_decode_b1(engine: Any, prompt: list[int], num_steps: int) -> DecodeTiming:
-    """Times engine.step() (and the model forward inside it) for one decoding request."""
+    """Times engine.step() and the forward inside it - the model's, or the compiled one-token
+    step where the runner has one - for one decoding request."""
     engine.add_request("bench-b1", prompt, greedy(num_steps + 2))
     engine.step()  # prefill, not timed
     step_s: list[float] = []
     forward_s: list[float] = []
-    with patched(engine.runner, "model", timed(forward_s)):
+    compiled = engine.runner.one_token_step is not None
+    forward = "one_token_step" if compiled else "model"
+    with patched(engine.runner, forward, timed(forward_s)):
         for _ in range(num_steps):
             start = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - start)
     abort_all(engine, ["bench-b1"])
-    return DecodeTiming(len(prompt), step_s, forward_s)
+    return DecodeTiming(len(prompt), step_s, forward_s, compiled=compiled)
 
 
 def linear_calls(model: torch.nn.Module) -> list[Callable[[], torch.Tensor]]:

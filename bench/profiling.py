@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from pdserve.bench.hooks import abort_all, counted, labelled, patched, step_until
 from pdserve.bench.workload import Request, greedy
 
-PHASES = ("pd.step", "pd.schedule", "pd.build_batch", "pd.attn_prepare", "pd.model", "pd.sample")
+PHASES = (
+    "pd.step", "pd.schedule", "pd.build_batch", "pd.attn_prepare", "pd.model",
+    "pd.one_token_step", "pd.decode_batch_step", "pd.sample",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +39,23 @@ class ProfileSummary:
 
 @contextmanager
 def labelled_phases(engine: Any) -> Iterator[None]:
-    """Wraps the engine's phases in profiler ranges: schedule, batch, metadata, model, sample."""
+    """Wraps the engine's phases in profiler ranges: schedule, batch, metadata, model (or the
+    runner's compiled decode paths, where it has them), sample."""
     from pdserve.engine import model_runner
 
     runner = engine.runner
-    with (
-        patched(engine, "step", labelled("pd.step")),
-        patched(engine.scheduler, "schedule", labelled("pd.schedule")),
-        patched(model_runner, "build_flat_batch", labelled("pd.build_batch")),
-        patched(runner.attention, "prepare", labelled("pd.attn_prepare")),
-        patched(runner, "model", labelled("pd.model")),
-        patched(runner, "sampler", labelled("pd.sample")),
-    ):
+    with ExitStack() as stack:
+        stack.enter_context(patched(engine, "step", labelled("pd.step")))
+        stack.enter_context(patched(engine.scheduler, "schedule", labelled("pd.schedule")))
+        stack.enter_context(
+            patched(model_runner, "build_flat_batch", labelled("pd.build_batch"))
+        )
+        stack.enter_context(patched(runner.attention, "prepare", labelled("pd.attn_prepare")))
+        stack.enter_context(patched(runner, "model", labelled("pd.model")))
+        for compiled in ("one_token_step", "decode_batch_step"):
+            if getattr(runner, compiled) is not None:
+                stack.enter_context(patched(runner, compiled, labelled(f"pd.{compiled}")))
+        stack.enter_context(patched(runner, "sampler", labelled("pd.sample")))
         yield
 
 

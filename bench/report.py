@@ -74,7 +74,11 @@ def decode_section(timing: DecodeTiming, weight_bytes: int, bandwidth: Bandwidth
                 f"min {min(timing.step_s) * ms:.1f})"
             ),
         ],
-        ["  of which model forward (median)", f"{forward * ms:.1f} ms"],
+        [
+            "  of which the forward (median)"
+            + (": the compiled one-token step" if timing.compiled else ""),
+            f"{forward * ms:.1f} ms",
+        ],
         ["  engine overhead outside the forward", f"{(step - forward) * ms:.1f} ms"],
         [
             "  the model's linears alone, batch 1, back to back (best of 5)",
@@ -82,7 +86,11 @@ def decode_section(timing: DecodeTiming, weight_bytes: int, bandwidth: Bandwidth
         ],
         [
             "  forward time outside the linears (attention, norms, rope, Python glue)",
-            f"{(forward - timing.linears_s) * ms:.1f} ms",
+            (
+                f"{(forward - timing.linears_s) * ms:.1f} ms"
+                if forward > timing.linears_s
+                else "none left: the compiled forward is faster than its linears called alone"
+            ),
         ],
         [
             "**achieved fraction** = read roofline / step time",

@@ -10,9 +10,10 @@ import torch
 
 from pdserve.engine.attention import attention_backend_class
 from pdserve.engine.attention.base import AttentionBackend
-from pdserve.engine.batch import build_flat_batch
+from pdserve.engine.batch import FlatBatch, build_flat_batch
 from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pdserve.engine.cpu_allocator import keep_freed_memory_for_reuse
+from pdserve.engine.decode_batch_step import DecodeBatchStep
 from pdserve.engine.distributed.group import RankGroup
 from pdserve.engine.distributed.rank_workers import RankWorkers
 from pdserve.engine.kv_cache import KVCache, KVCacheSpec
@@ -29,6 +30,7 @@ from pdserve.engine.memory_profile import (
 )
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.llama import shard_layout
+from pdserve.engine.one_token_step import OneTokenStep
 from pdserve.engine.prompt_logprobs import ScoringPlan
 from pdserve.engine.sampler import Sampler, SampleResult
 from pdserve.engine.sampling_params import SamplingParams
@@ -131,6 +133,21 @@ class ModelRunner:
         )
         self.attention = self._attention_backend(self.kv_cache)
         self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
+        self.one_token_step = self.decode_batch_step = None
+        if self.device.type == "cpu":
+            scale, window = self.attention.scale, self.attention.sliding_window
+            self.one_token_step = OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
+            self.decode_batch_step = DecodeBatchStep.for_model(
+                self.model, self.kv_cache, scale, window
+            )
+            compiled = [
+                name for name, step in (
+                    ("one-sequence decode steps", self.one_token_step),
+                    ("the ops between a decode batch's linears", self.decode_batch_step),
+                ) if step is not None
+            ]
+            if compiled:
+                logger.info("compiled on the CPU: %s", ", ".join(compiled))
 
     def _allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, factory: KVCacheFactory | None
@@ -277,6 +294,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @staticmethod
+    def _decodes_only(batch: FlatBatch) -> bool:
+        """Whether every sequence of the batch computes one token after a context."""
+        return batch.num_tokens == batch.num_seqs and all(n > 0 for n in batch.context_lens)
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[tuple[Sequence, SampleResult]]:
         """Runs the step; returns a sample for each sequence whose chunk reached its end (for
@@ -308,6 +330,17 @@ class ModelRunner:
             and self.decode_graphs.can_run(batch)
         ):
             logits = self.decode_graphs.run(batch)
+        elif (
+            scoring is None
+            and self._decodes_only(batch)
+            and batch.num_seqs == 1
+            and self.one_token_step is not None
+        ):
+            logits = self.one_token_step(batch.input_ids, batch.block_tables[0], batch.seq_lens[0])
+        elif scoring is None and self._decodes_only(batch) and self.decode_batch_step is not None:
+            logits = self.decode_batch_step(
+                batch.input_ids, batch.positions, batch.block_tables, batch.seq_lens
+            )
         else:
             metadata = self.attention.prepare(batch)
             logits = self.model(

@@ -184,9 +184,9 @@ if numba is not None:
             _store_bf16(out, row, _dot_row(weight, row, x)[0] + _bias(bias, row))
 
     try:
-        _gemv_kernel = njit(cache=True, parallel=True)(_gemv_loops)
+        gemv_kernel = njit(cache=True, parallel=True)(_gemv_loops)
     except RuntimeError:  # no writable cache directory: compiled in every process
-        _gemv_kernel = njit(parallel=True)(_gemv_loops)
+        gemv_kernel = njit(parallel=True)(_gemv_loops)
 
 
 def bf16_words(tensor: torch.Tensor) -> np.ndarray:
@@ -199,5 +199,5 @@ def gemv_bf16(x: torch.Tensor, weight: np.ndarray, bias: np.ndarray) -> torch.Te
     that `gemv_fits` and of its bf16 bias (an empty array for none). Unchecked: the engine's Linear
     checks once, when it keeps the weight (engine/layers/linear.py)."""
     out = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
-    run_parallel(_gemv_kernel, weight, bf16_words(x.contiguous())[0], bias, bf16_words(out)[0])
+    run_parallel(gemv_kernel, weight, bf16_words(x.contiguous())[0], bias, bf16_words(out)[0])
     return out

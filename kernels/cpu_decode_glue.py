@@ -1,0 +1,129 @@
+"""The small ops between the linears of a bf16 decode batch on the CPU, compiled by numba: each
+stretch from one linear's output to the next linear's input is one call over every row of
+the batch, in place of a dozen torch ops and their Python per layer.
+
+Per layer of a batch of decoding sequences (one token each), on bf16 words (uint16) with fp32
+arithmetic rounded to bf16 after each op, as kernels/cpu_decode_step.py computes one token:
+  `norm_rows`              input norm of the residual stream (the first layer)
+  [qkv_proj]
+  `rope_store_attend`      rope on q and k, the KV store, q * scale, the paged decode attention
+                           (kernels/cpu_decode_attention.py), its output rounded to bf16
+  [o_proj]
+  `add_norm_rows`          residual add, then the post-attention norm
+  [gate_up_proj]
+  `silu_times_up_rows`     silu(gate) -> bf16, times up -> bf16
+  [down_proj]
+  `add_norm_rows`          residual add, then the next layer's input norm (or the final norm)
+The linears stay oneDNN's prepacked bf16 matmuls (engine/layers/linear.py), called from Python.
+Rows are split over numba's threads (prange); the attention is the decode kernel's own
+parallel loop. Results match the torch forward except where the norm's mean of squares sums
+in another order (a bf16 ulp in rare elements; cpu_decode_step.py says how rare).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+try:
+    import numba
+    from numba import njit, prange
+
+    from pdserve.kernels.cpu_decode_attention import decode_kernel
+    from pdserve.kernels.cpu_decode_step import (
+        _add_into,
+        _bf16,
+        _float,
+        _rms_norm,
+        _rope,
+        _silu_times_up,
+    )
+except ImportError:  # engine/decode_batch_step.py reports the path unavailable
+    numba = None
+
+if numba is not None:
+
+    def _jit(function, parallel=True):
+        try:
+            return njit(cache=True, parallel=parallel)(function)
+        except RuntimeError:  # no writable cache directory: compiled in every process
+            return njit(parallel=parallel)(function)
+
+    def _norm_rows(hidden, weight, eps, out):
+        """out[r] = rms_norm(hidden[r]) for every row."""
+        for row in prange(hidden.shape[0]):
+            _rms_norm(hidden[row], weight, eps, out[row])
+
+    def _add_norm_rows(hidden, other, weight, eps, out):
+        """hidden[r] += other[r] (rounded to bf16), then out[r] = rms_norm(hidden[r])."""
+        for row in prange(hidden.shape[0]):
+            _add_into(hidden[row], other[row])
+            _rms_norm(hidden[row], weight, eps, out[row])
+
+    def _silu_times_up_rows(gate_up, out):
+        for row in prange(gate_up.shape[0]):
+            _silu_times_up(gate_up[row], out.shape[1], out[row])
+
+    def _rope_store_attend(
+        qkv, cos, signed_sin, keys, values, block_tables, seq_lens, window, scale, order,
+        query, attended, out, num_heads, num_kv_heads, head_dim, heads_per_call, tokens,
+    ):
+        """qkv [rows, (num_heads + 2 * num_kv_heads) * head_dim] uint16 (rope applied in
+        place); cos / signed_sin [rows, head_dim] uint16; keys / values one layer's caches
+        [blocks, kv_heads, block_size, head_dim] uint16; block_tables [rows, n] int32;
+        seq_lens [rows] int32 (row r's token at seq_lens[r] - 1); query / attended [rows,
+        num_heads, head_dim] fp32 scratch; out [rows, num_heads * head_dim] uint16."""
+        numba.literally(num_heads)
+        numba.literally(num_kv_heads)
+        numba.literally(head_dim)
+        numba.literally(heads_per_call)
+        numba.literally(tokens)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        block_size = keys.shape[2]
+        for row in prange(qkv.shape[0]):
+            _rope(qkv[row], 0, num_heads + num_kv_heads, head_dim, cos[row], signed_sin[row])
+            position = seq_lens[row] - 1
+            block = block_tables[row, position // block_size]
+            slot = position % block_size
+            for kv_head in range(num_kv_heads):
+                for d in range(head_dim):
+                    keys[block, kv_head, slot, d] = qkv[row, q_size + kv_head * head_dim + d]
+                    values[block, kv_head, slot, d] = qkv[
+                        row, q_size + kv_size + kv_head * head_dim + d
+                    ]
+            for head in range(num_heads):
+                for d in range(head_dim):
+                    query[row, head, d] = _float(qkv[row, head * head_dim + d]) * scale
+        decode_kernel(
+            query, keys, values, block_tables, seq_lens, window, np.float32(1.0),
+            np.float32(1.0), order, attended, heads_per_call, head_dim, tokens,
+        )
+        for row in prange(qkv.shape[0]):
+            for head in range(num_heads):
+                for d in range(head_dim):
+                    out[row, head * head_dim + d] = _bf16(attended[row, head, d])
+
+    norm_rows = _jit(_norm_rows)
+    add_norm_rows = _jit(_add_norm_rows)
+    silu_times_up_rows = _jit(_silu_times_up_rows)
+    _rope_store_attend_kernel = _jit(_rope_store_attend)
+
+    @functools.cache
+    def rope_store_attend_for(
+        num_heads: int, num_kv_heads: int, head_dim: int, heads_per_call: int, tokens: int
+    ):
+        """`_rope_store_attend` for these constants, callable from Python at a jitted call's
+        cost (a literal argument passed from Python is typed twice on every call)."""
+
+        def rope_store_attend(
+            qkv, cos, signed_sin, keys, values, block_tables, seq_lens, window, scale, order,
+            query, attended, out,
+        ):
+            _rope_store_attend_kernel(
+                qkv, cos, signed_sin, keys, values, block_tables, seq_lens, window, scale,
+                order, query, attended, out, num_heads, num_kv_heads, head_dim,
+                heads_per_call, tokens,
+            )
+
+        return _jit(rope_store_attend, parallel=False)
