@@ -21,11 +21,25 @@ import torch
 
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kernels.cpu_gemv import bf16_words
 from pdserve.kernels.numba_threads import run_parallel
 
 
-def _words(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.view(torch.int16).numpy().view(np.uint16)
+def compiled_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
+    """Whether the compiled decode kernels cover this model and cache: a bf16 Llama-family
+    model on one rank without q/k norms, a bf16 CPU cache the decode attention kernel reads
+    (numba installed, head dim a multiple of 16). engine/one_token_step.py asks this too."""
+    if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
+        return False
+    spec = kv_cache.spec
+    if kv_cache.buffer.device.type != "cpu" or spec.dtype != torch.bfloat16:
+        return False
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.config.qk_norm:
+        return False
+    from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
+    from pdserve.kernels.cpu_decode_glue import numba
+
+    return numba is not None and cpu_decode_attention_available(spec.dtype, spec.head_dim)
 
 
 class DecodeBatchStep:
@@ -52,11 +66,13 @@ class DecodeBatchStep:
         self._scale = np.float32(scale)
         self._window = sliding_window or 0
         # The norm before each layer, and the final norm after the last.
-        self._input_norms = [_words(layer.input_layernorm.weight.data) for layer in layers]
-        self._input_norms.append(_words(model.norm.weight.data))
-        self._post_norms = [_words(layer.post_attention_layernorm.weight.data) for layer in layers]
-        self._keys = [_words(kv_cache.key_cache(i)) for i in range(len(layers))]
-        self._values = [_words(kv_cache.value_cache(i)) for i in range(len(layers))]
+        self._input_norms = [bf16_words(layer.input_layernorm.weight.data) for layer in layers]
+        self._input_norms.append(bf16_words(model.norm.weight.data))
+        self._post_norms = [
+            bf16_words(layer.post_attention_layernorm.weight.data) for layer in layers
+        ]
+        self._keys = [bf16_words(kv_cache.key_cache(i)) for i in range(len(layers))]
+        self._values = [bf16_words(kv_cache.value_cache(i)) for i in range(len(layers))]
 
     @classmethod
     def for_model(
@@ -64,17 +80,7 @@ class DecodeBatchStep:
     ) -> DecodeBatchStep | None:
         """The compiled path for this model and cache (compiled now, or loaded from numba's
         cache); None where it cannot run (see the module's docstring)."""
-        if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
-            return None
-        spec = kv_cache.spec
-        if kv_cache.buffer.device.type != "cpu" or spec.dtype != torch.bfloat16:
-            return None
-        if model.embed_tokens.weight.dtype != torch.bfloat16 or model.config.qk_norm:
-            return None
-        from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
-        from pdserve.kernels.cpu_decode_glue import numba
-
-        if numba is None or not cpu_decode_attention_available(spec.dtype, spec.head_dim):
+        if not compiled_decode_fits(model, kv_cache):
             return None
         step = cls(model, kv_cache, scale, sliding_window)
         step.compile()
@@ -99,7 +105,7 @@ class DecodeBatchStep:
         rows = input_ids.shape[0]
         hidden = model.embed_tokens(input_ids)  # [rows, hidden] bf16, updated in place
         cos, signed_sin = model.rotary.cos_sin(positions, hidden.dtype)
-        cos, signed_sin = _words(cos[:, 0]), _words(signed_sin[:, 0])
+        cos, signed_sin = bf16_words(cos[:, 0]), bf16_words(signed_sin[:, 0])
         width = max(len(table) for table in block_tables)
         tables = np.zeros((rows, width), np.int32)
         for row, table in enumerate(block_tables):
@@ -108,27 +114,27 @@ class DecodeBatchStep:
         query = np.empty((rows, self._num_heads, self._head_dim), np.float32)
         attended = np.empty_like(query)
         normed = torch.empty_like(hidden)
-        hidden_words, normed_words = _words(hidden), _words(normed)
+        hidden_words, normed_words = bf16_words(hidden), bf16_words(normed)
         run_parallel(glue.norm_rows, hidden_words, self._input_norms[0], self._eps, normed_words)
         for index, layer in enumerate(model.layers):
             qkv = layer.self_attn.qkv_proj(normed)
             attention = torch.empty(rows, self._num_heads * self._head_dim, dtype=hidden.dtype)
             run_parallel(
-                self._rope_store_attend, _words(qkv), cos, signed_sin, self._keys[index],
+                self._rope_store_attend, bf16_words(qkv), cos, signed_sin, self._keys[index],
                 self._values[index], tables, lens, self._window, self._scale, self._order,
-                query, attended, _words(attention),
+                query, attended, bf16_words(attention),
             )
             projected = layer.self_attn.o_proj(attention)
             run_parallel(
-                glue.add_norm_rows, hidden_words, _words(projected), self._post_norms[index],
+                glue.add_norm_rows, hidden_words, bf16_words(projected), self._post_norms[index],
                 self._eps, normed_words,
             )
             gate_up = layer.mlp.gate_up_proj(normed)
             activated = torch.empty(rows, gate_up.shape[1] // 2, dtype=hidden.dtype)
-            run_parallel(glue.silu_times_up_rows, _words(gate_up), _words(activated))
+            run_parallel(glue.silu_times_up_rows, bf16_words(gate_up), bf16_words(activated))
             projected = layer.mlp.down_proj(activated)
             run_parallel(
-                glue.add_norm_rows, hidden_words, _words(projected),
+                glue.add_norm_rows, hidden_words, bf16_words(projected),
                 self._input_norms[index + 1], self._eps, normed_words,
             )
         return model.lm_head(normed)

@@ -21,14 +21,12 @@ import math
 import numpy as np
 import torch
 
+from pdserve.engine.decode_batch_step import compiled_decode_fits
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kernels.cpu_gemv import bf16_words
 from pdserve.kernels.numba_threads import run_parallel
-
-
-def _words(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 class OneTokenStep:
@@ -57,9 +55,9 @@ class OneTokenStep:
             self._num_heads, self._num_kv_heads, self._head_dim, self._heads_per_call,
             self._tokens_per_chunk,
         )
-        self._input_norms = np.stack([_words(l.input_layernorm.weight.data) for l in layers])
+        self._input_norms = np.stack([bf16_words(l.input_layernorm.weight.data) for l in layers])
         self._post_norms = np.stack(
-            [_words(l.post_attention_layernorm.weight.data) for l in layers]
+            [bf16_words(l.post_attention_layernorm.weight.data) for l in layers]
         )
 
         def weights(linears: list[Linear]) -> tuple[List, List]:
@@ -72,8 +70,8 @@ class OneTokenStep:
         self._o = weights([l.self_attn.o_proj for l in layers])
         self._gate_up = weights([l.mlp.gate_up_proj for l in layers])
         self._down = weights([l.mlp.down_proj for l in layers])
-        self._key_caches = List([_words(kv_cache.key_cache(i)) for i in range(len(layers))])
-        self._value_caches = List([_words(kv_cache.value_cache(i)) for i in range(len(layers))])
+        self._key_caches = List([bf16_words(kv_cache.key_cache(i)) for i in range(len(layers))])
+        self._value_caches = List([bf16_words(kv_cache.value_cache(i)) for i in range(len(layers))])
 
     @classmethod
     def for_model(
@@ -85,17 +83,7 @@ class OneTokenStep:
     ) -> OneTokenStep | None:
         """The compiled step for this model and cache (compiled now, or loaded from numba's
         cache); None where it cannot run (see the module's docstring)."""
-        if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
-            return None
-        spec = kv_cache.spec
-        if kv_cache.buffer.device.type != "cpu" or spec.dtype != torch.bfloat16:
-            return None
-        if model.embed_tokens.weight.dtype != torch.bfloat16 or model.config.qk_norm:
-            return None
-        from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
-        from pdserve.kernels.cpu_decode_step import numba
-
-        if numba is None or not cpu_decode_attention_available(spec.dtype, spec.head_dim):
+        if not compiled_decode_fits(model, kv_cache):
             return None
         linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
         if not all(linear.one_token is not None for linear in linears):
@@ -120,9 +108,9 @@ class OneTokenStep:
         position = torch.tensor([seq_len - 1])
         cos, signed_sin = model.rotary.cos_sin(position, hidden.dtype)
         run_parallel(
-            self._kernel, _words(hidden)[0], self._input_norms, self._post_norms, self._eps,
+            self._kernel, bf16_words(hidden)[0], self._input_norms, self._post_norms, self._eps,
             *self._qkv, *self._o, *self._gate_up, *self._down, self._key_caches,
-            self._value_caches, _words(cos)[0, 0], _words(signed_sin)[0, 0],
+            self._value_caches, bf16_words(cos)[0, 0], bf16_words(signed_sin)[0, 0],
             np.array([block_table], dtype=np.int32), np.array([seq_len], dtype=np.int32),
             self._window, self._scale, self._order,
         )
