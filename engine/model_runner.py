@@ -134,7 +134,9 @@ class ModelRunner:
         self.attention = self._attention_backend(self.kv_cache)
         self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
         self.one_token_step = self.decode_batch_step = None
-        if self.device.type == "cpu":
+        # Where the torch backend decodes with its compiled CPU kernel, the compiled decode
+        # paths run that kernel too (another backend, asked for by name, keeps every step).
+        if getattr(self.attention, "cpu_decode", None) is not None:
             scale, window = self.attention.scale, self.attention.sliding_window
             self.one_token_step = OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
             self.decode_batch_step = DecodeBatchStep.for_model(
