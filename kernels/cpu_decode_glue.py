@@ -30,15 +30,15 @@ try:
     import numba
     from numba import njit, prange
 
-    from pdserve.kernels.cpu_decode_attention import decode_kernel
-    from pdserve.kernels.cpu_decode_step import (
-        _add_into,
-        _bf16,
-        _float,
-        _rms_norm,
-        _rope,
-        _silu_times_up,
+    from pdserve.kernels.bf16_ops import (
+        add_into,
+        from_bf16,
+        rms_norm,
+        rope,
+        silu_times_up,
+        to_bf16,
     )
+    from pdserve.kernels.cpu_decode_attention import decode_kernel
 except ImportError:  # engine/decode_batch_step.py reports the path unavailable
     numba = None
 
@@ -53,17 +53,17 @@ if numba is not None:
     def _norm_rows(hidden, weight, eps, out):
         """out[r] = rms_norm(hidden[r]) for every row."""
         for row in prange(hidden.shape[0]):
-            _rms_norm(hidden[row], weight, eps, out[row])
+            rms_norm(hidden[row], weight, eps, out[row])
 
     def _add_norm_rows(hidden, other, weight, eps, out):
         """hidden[r] += other[r] (rounded to bf16), then out[r] = rms_norm(hidden[r])."""
         for row in prange(hidden.shape[0]):
-            _add_into(hidden[row], other[row])
-            _rms_norm(hidden[row], weight, eps, out[row])
+            add_into(hidden[row], other[row])
+            rms_norm(hidden[row], weight, eps, out[row])
 
     def _silu_times_up_rows(gate_up, out):
         for row in prange(gate_up.shape[0]):
-            _silu_times_up(gate_up[row], out.shape[1], out[row])
+            silu_times_up(gate_up[row], out.shape[1], out[row])
 
     def _rope_store_attend(
         qkv, cos, signed_sin, keys, values, block_tables, seq_lens, window, scale, order,
@@ -82,7 +82,7 @@ if numba is not None:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         block_size = keys.shape[2]
         for row in prange(qkv.shape[0]):
-            _rope(qkv[row], 0, num_heads + num_kv_heads, head_dim, cos[row], signed_sin[row])
+            rope(qkv[row], 0, num_heads + num_kv_heads, head_dim, cos[row], signed_sin[row])
             position = seq_lens[row] - 1
             block = block_tables[row, position // block_size]
             slot = position % block_size
@@ -94,7 +94,7 @@ if numba is not None:
                     ]
             for head in range(num_heads):
                 for d in range(head_dim):
-                    query[row, head, d] = _float(qkv[row, head * head_dim + d]) * scale
+                    query[row, head, d] = from_bf16(qkv[row, head * head_dim + d]) * scale
         decode_kernel(
             query, keys, values, block_tables, seq_lens, window, np.float32(1.0),
             np.float32(1.0), order, attended, heads_per_call, head_dim, tokens,
@@ -102,7 +102,7 @@ if numba is not None:
         for row in prange(qkv.shape[0]):
             for head in range(num_heads):
                 for d in range(head_dim):
-                    out[row, head * head_dim + d] = _bf16(attended[row, head, d])
+                    out[row, head * head_dim + d] = to_bf16(attended[row, head, d])
 
     norm_rows = _jit(_norm_rows)
     add_norm_rows = _jit(_add_norm_rows)

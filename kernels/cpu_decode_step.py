@@ -33,7 +33,6 @@ and cached on disk like the other numba kernels.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -41,65 +40,20 @@ try:
     import numba
     from numba import njit
 
+    from pdserve.kernels.bf16_ops import (
+        add_into,
+        from_bf16,
+        rms_norm,
+        rope,
+        silu_times_up,
+        to_bf16,
+    )
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_gemv import gemv_kernel
 except ImportError:  # engine/one_token_step.py reports the step unavailable
     numba = None
 
 if numba is not None:
-
-    @njit(inline="always")
-    def _bf16(value):
-        """An fp32 value's bf16 word, rounded to nearest even (a NaN stays a NaN)."""
-        bits = np.uint32(np.float32(value).view(np.uint32))
-        if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
-            return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-        rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-        return np.uint16((bits + rounding) >> np.uint32(16))
-
-    @njit(inline="always")
-    def _float(word):
-        """A bf16 word's fp32 value (exact)."""
-        return np.uint32(np.uint32(word) << np.uint32(16)).view(np.float32)
-
-    @njit
-    def _rms_norm(x, weight, eps, out):
-        """out = bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))), transformers' bf16 RMSNorm."""
-        total = np.float32(0.0)
-        for i in range(x.shape[0]):
-            value = _float(x[i])
-            total += value * value
-        variance = total / np.float32(x.shape[0])
-        inverse = np.float32(1.0) / np.float32(math.sqrt(variance + eps))
-        for i in range(x.shape[0]):
-            normed = _float(_bf16(_float(x[i]) * inverse))
-            out[i] = _bf16(_float(weight[i]) * normed)
-
-    @njit
-    def _rope(qkv, first_head, num_heads, head_dim, cos, signed_sin):
-        """Rope in place on heads first_head .. first_head + num_heads - 1 of `qkv`."""
-        half = head_dim // 2
-        rotated = np.empty(head_dim, np.uint16)
-        for head in range(first_head, first_head + num_heads):
-            start = head * head_dim
-            for d in range(head_dim):
-                rolled = qkv[start + (d + half) % head_dim]
-                rotated[d] = _bf16(_float(rolled) * _float(signed_sin[d]))
-            for d in range(head_dim):
-                straight = _bf16(_float(qkv[start + d]) * _float(cos[d]))
-                qkv[start + d] = _bf16(_float(straight) + _float(rotated[d]))
-
-    @njit
-    def _add_into(hidden, other):
-        for i in range(hidden.shape[0]):
-            hidden[i] = _bf16(_float(hidden[i]) + _float(other[i]))
-
-    @njit
-    def _silu_times_up(gate_up, intermediate, out):
-        for i in range(intermediate):
-            gate = _float(gate_up[i])
-            silu = _float(_bf16(gate / (np.float32(1.0) + np.float32(math.exp(-gate)))))
-            out[i] = _bf16(silu * _float(gate_up[intermediate + i]))
 
     def _decode_layers(
         hidden, input_norms, post_norms, eps, qkv_weights, qkv_biases, o_weights, o_biases,
@@ -131,10 +85,10 @@ if numba is not None:
         attended = np.empty((1, num_heads, head_dim), np.float32)
         attention = np.empty(q_size, np.uint16)
         for layer in range(len(qkv_weights)):
-            _rms_norm(hidden, input_norms[layer], eps, normed)
+            rms_norm(hidden, input_norms[layer], eps, normed)
             qkv = np.empty(q_size + 2 * kv_size, np.uint16)
             gemv_kernel(qkv_weights[layer], normed, qkv_biases[layer], qkv)
-            _rope(qkv, 0, num_heads + num_kv_heads, head_dim, cos, signed_sin)
+            rope(qkv, 0, num_heads + num_kv_heads, head_dim, cos, signed_sin)
             keys, values = key_caches[layer], value_caches[layer]
             for kv_head in range(num_kv_heads):
                 for d in range(head_dim):
@@ -142,24 +96,24 @@ if numba is not None:
                     values[block, kv_head, slot, d] = qkv[q_size + kv_size + kv_head * head_dim + d]
             for head in range(num_heads):
                 for d in range(head_dim):
-                    query[0, head, d] = _float(qkv[head * head_dim + d]) * scale
+                    query[0, head, d] = from_bf16(qkv[head * head_dim + d]) * scale
             decode_kernel(
                 query, keys, values, block_table, seq_len, window, np.float32(1.0),
                 np.float32(1.0), order, attended, heads_per_call, head_dim, tokens_per_chunk,
             )
             for head in range(num_heads):
                 for d in range(head_dim):
-                    attention[head * head_dim + d] = _bf16(attended[0, head, d])
+                    attention[head * head_dim + d] = to_bf16(attended[0, head, d])
             gemv_kernel(o_weights[layer], attention, o_biases[layer], projected)
-            _add_into(hidden, projected)
-            _rms_norm(hidden, post_norms[layer], eps, normed)
+            add_into(hidden, projected)
+            rms_norm(hidden, post_norms[layer], eps, normed)
             gate_up = np.empty(gate_up_weights[layer].shape[0], np.uint16)
             gemv_kernel(gate_up_weights[layer], normed, gate_up_biases[layer], gate_up)
             intermediate = gate_up.shape[0] // 2
             activated = np.empty(intermediate, np.uint16)
-            _silu_times_up(gate_up, intermediate, activated)
+            silu_times_up(gate_up, intermediate, activated)
             gemv_kernel(down_weights[layer], activated, down_biases[layer], projected)
-            _add_into(hidden, projected)
+            add_into(hidden, projected)
 
     try:
         decode_layers_kernel = njit(cache=True)(_decode_layers)

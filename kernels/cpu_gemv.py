@@ -39,6 +39,7 @@ try:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
+    from pdserve.kernels.bf16_ops import from_bf16, to_bf16
     from pdserve.kernels.llvm_prefetch import emit_prefetch
 except ImportError:  # the engine keeps oneDNN
     numba = None
@@ -154,21 +155,11 @@ if numba is not None:
     _dot_row = _dot_rows(1)
 
     @njit(inline="always")
-    def _store_bf16(out, index, value):
-        """out[index] = value rounded to bf16 (nearest even; a NaN stays a NaN)."""
-        bits = np.uint32(np.float32(value).view(np.uint32))
-        if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
-            out[index] = np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-        else:
-            rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-            out[index] = np.uint16((bits + rounding) >> np.uint32(16))
-
-    @njit(inline="always")
     def _bias(bias, row):
         """bias[row] (a bf16 word) as fp32; 0 for no bias (an empty array)."""
         if bias.shape[0] == 0:
             return np.float32(0.0)
-        return np.uint32(np.uint32(bias[row]) << np.uint32(16)).view(np.float32)
+        return from_bf16(bias[row])
 
     def _gemv_loops(weight, x, bias, out):
         """weight [out, in] uint16 (bf16 words), x [in] uint16, bias [out] uint16 (empty for
@@ -179,9 +170,9 @@ if numba is not None:
             first = block * ROWS_PER_BLOCK
             sums = _dot_block(weight, first, x)
             for r in range(ROWS_PER_BLOCK):
-                _store_bf16(out, first + r, sums[r] + _bias(bias, first + r))
+                out[first + r] = to_bf16(sums[r] + _bias(bias, first + r))
         for row in range(num_blocks * ROWS_PER_BLOCK, num_rows):
-            _store_bf16(out, row, _dot_row(weight, row, x)[0] + _bias(bias, row))
+            out[row] = to_bf16(_dot_row(weight, row, x)[0] + _bias(bias, row))
 
     try:
         gemv_kernel = njit(cache=True, parallel=True)(_gemv_loops)
