@@ -10,11 +10,12 @@ arithmetic rounded to bf16 after each op, as kernels/cpu_decode_step.py computes
                            (kernels/cpu_decode_attention.py), its output rounded to bf16
   [o_proj]
   `add_norm_rows`          residual add, then the post-attention norm
-  [gate_up_proj]
-  `silu_times_up_rows`     silu(gate) -> bf16, times up -> bf16
-  [down_proj]
+  [the MLP]
   `add_norm_rows`          residual add, then the next layer's input norm (or the final norm)
-The linears stay oneDNN's prepacked bf16 matmuls (engine/layers/linear.py), called from Python.
+The linears stay oneDNN's prepacked bf16 matmuls (engine/layers/linear.py), called from Python,
+and the MLP keeps torch's SiLU between its two: vectorized, it beat this file's scalar SiLU
+(libm's exp per element) by 2-4% of `make bench`'s throughput, where compiling the rope into
+`rope_store_attend` gained 1-2% over torch's rope ops.
 Rows are split over numba's threads (prange); the attention is the decode kernel's own
 parallel loop. Results match the torch forward except where the norm's mean of squares sums
 in another order (a bf16 ulp in rare elements; cpu_decode_step.py says how rare).
@@ -35,7 +36,6 @@ try:
         from_bf16,
         rms_norm,
         rope,
-        silu_times_up,
         to_bf16,
     )
     from pdserve.kernels.cpu_decode_attention import decode_kernel
@@ -60,10 +60,6 @@ if numba is not None:
         for row in prange(hidden.shape[0]):
             add_into(hidden[row], other[row])
             rms_norm(hidden[row], weight, eps, out[row])
-
-    def _silu_times_up_rows(gate_up, out):
-        for row in prange(gate_up.shape[0]):
-            silu_times_up(gate_up[row], out.shape[1], out[row])
 
     def _rope_store_attend(
         qkv, cos, signed_sin, keys, values, block_tables, seq_lens, window, scale, order,
@@ -106,7 +102,6 @@ if numba is not None:
 
     norm_rows = _jit(_norm_rows)
     add_norm_rows = _jit(_add_norm_rows)
-    silu_times_up_rows = _jit(_silu_times_up_rows)
     _rope_store_attend_kernel = _jit(_rope_store_attend)
 
     @functools.cache
