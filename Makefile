@@ -36,16 +36,16 @@ serve: install
 	$(VENV)/bin/pdserve serve
 
 test: install
-	$(PY) -m pytest -q --durations=20
+	$(PY) -P -m pytest -q --durations=20
 
 # In-process tests only (no server, node or peer process; nothing that takes seconds): < 1 min.
 test-fast: install
-	$(PY) -m pytest -q -m "not processes and not slow and not default_model"
+	$(PY) -P -m pytest -q -m "not processes and not slow and not default_model"
 
 # The fault and end-to-end tests while a busy-looping process occupies every core (started
 # before pytest, stopped after it whatever the outcome): they must hold on a loaded machine.
 test-stress: install
-	$(PY) -m tests.cpu_hog -- $(PY) -m pytest -q tests/faults tests/e2e
+	$(PY) -P tests/cpu_hog.py -- $(PY) -P -m pytest -q tests/faults tests/e2e
 
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

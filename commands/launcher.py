@@ -62,6 +62,7 @@ from pdserve.commands.model_source import check_model_folder, resolve_served_mod
 from pdserve.commands.node_threads import plan_node_threads, usable_cores
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.supervisor import Deployment
+from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.config_flags import given, in_flag_terms
 from pdserve.wire.log_format import LogSettings
@@ -277,7 +278,7 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
             env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.visible_devices)
             config["engine"]["processes_on_device"] = placement.processes_on_device
         env[CONFIG_ENV] = json.dumps(config)
-        plans.append(NodePlan(node_id, [sys.executable, "-m", module], address, config, env))
+        plans.append(NodePlan(node_id, python_module_command(module), address, config, env))
     return plans
 
 

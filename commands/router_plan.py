@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.commands.model_source import ServedModel
 from pdserve.router.config import CONFIG_ENV, RouterConfig
+from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import build, given, given_as_environment, in_flag_terms
 from pdserve.wire.log_format import LogSettings
@@ -93,4 +93,4 @@ def plan_router(
         **given_as_environment(RouterConfig, args, select=serve_option),
     }
     config = build(RouterConfig, base=values, cluster_auth=ClusterAuth.from_secret(cluster_secret))
-    return RouterPlan([sys.executable, "-m", "pdserve.router"], env, config)
+    return RouterPlan(python_module_command("pdserve.router"), env, config)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from pdserve.commands.launcher import free_port, wait_healthy
+from pdserve.wire.child_command import python_module_command
 
 
 class ServeProcess:
@@ -28,7 +28,7 @@ class ServeProcess:
         self._log = open(log_path, "w") if log_path is not None else None  # noqa: SIM115
         output = self._log or (subprocess.DEVNULL if quiet else None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.commands.cli", "serve", "--port", str(self.port), *flags],
+            [*python_module_command("pdserve.commands.cli"), "serve", "--port", str(self.port), *flags],
             stdout=output,
             stderr=output,
         )

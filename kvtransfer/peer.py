@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdserve.wire.child_command import python_module_command
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_FINGERPRINT = "unnamed-model"
 
@@ -159,7 +161,7 @@ class PeerProcess:
         self.stderr_path = stderr_path
         self._stderr = open(stderr_path, "w")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.kvtransfer.peer"],
+            python_module_command("pdserve.kvtransfer.peer"),
             cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
             text=True, bufsize=1,
         )

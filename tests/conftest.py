@@ -14,6 +14,7 @@ the lists.
 from __future__ import annotations
 
 import os
+import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -68,6 +69,14 @@ SLOW_MODULES = (
 # set here, before any test module loads; code that launches no Triton kernel is unaffected.
 # TRITON_INTERPRET=0 in the environment runs the kernel tests compiled, on a CUDA GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The checkout root is never on sys.path, in the test process or in any Python it starts: there
+# our top-level folders would shadow installed packages of the same name (transformers imports
+# Hugging Face's `kernels`). pytest runs in importlib mode without `pythonpath`; a plain
+# `python -m pytest` from the root still puts the root first, so it is taken off here, and
+# PYTHONSAFEPATH gives every child started with `python -m` (tests start many) the same.
+os.environ["PYTHONSAFEPATH"] = "1"
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != TESTS.parent]
 
 
 def pytest_configure(config: pytest.Config) -> None:

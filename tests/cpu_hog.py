@@ -1,4 +1,4 @@
-"""Runs a command while every CPU core is busy: `python -m tests.cpu_hog -- COMMAND...`.
+"""Runs a command while every CPU core is busy: `python -P tests/cpu_hog.py -- COMMAND...`.
 
 One busy-looping process per core this process may run on, at normal priority, is started
 before the command and stopped after it, whatever its outcome (a failure, Ctrl-C, a signal);

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -34,6 +33,7 @@ from pdserve.engine.distributed.group import DEFAULT_TIMEOUT_S, RankFailure, Ran
 from pdserve.engine.distributed.messages import BlockSwap, Message, StepInputs, encode
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.swap_space import SwapSpace
+from pdserve.wire.child_command import python_module_command
 from pdserve.wire.config_flags import as_values
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class RankWorkers:
                     "timeout_s": timeout_s,
                 }
                 process = subprocess.Popen(
-                    [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE, env=env
+                    python_module_command(WORKER_MODULE), stdin=subprocess.PIPE, env=env
                 )
                 processes.append(process)
                 process.stdin.write(json.dumps(settings).encode() + b"\n")

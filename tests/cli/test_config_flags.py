@@ -23,6 +23,7 @@ from pdserve.commands.model_source import ServedModel
 from pdserve.engine.config import EngineConfig
 from pdserve.node.config import CONFIG_ENV, NodeConfig
 from pdserve.router.config import RouterConfig
+from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.config_flags import build, option, options
 from tests.cli.test_serve_flags import TEMPLATE, child_configs, planned_router, serve_args
@@ -106,7 +107,7 @@ def test_every_serve_option_reaches_every_planned_node_field_by_field(layout):
             assert getattr(node, f.name) == getattr(expected_node, f.name), f.name
         # Handed over as data, in field units, and not on the command line.
         assert json.loads(plan.env[CONFIG_ENV])["engine"]["swap_space"] == 1 << 29
-        assert plan.argv[1:] == ["-m", plan.argv[2]]
+        assert plan.argv == python_module_command(plan.argv[-1])
 
 
 def test_flags_given_to_a_node_override_its_launcher_config():
@@ -155,7 +156,7 @@ def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_
     )
     for f in dataclasses.fields(RouterConfig):
         assert getattr(config, f.name) == getattr(expected, f.name), f.name
-    assert plan.argv[1:] == ["-m", "pdserve.router"]  # nothing on the command line
+    assert plan.argv == python_module_command("pdserve.router")  # nothing on the command line
 
 
 def test_a_router_started_directly_needs_its_model_nodes_and_address(capsys):

@@ -18,6 +18,7 @@ from pdserve.node.cli import add_kv_flags, configs, node_parser
 from pdserve.router.__main__ import parse_args as parse_router_args
 from pdserve.router.config import API_KEY_ENV
 from pdserve.router.config import CONFIG_ENV as ROUTER_CONFIG_ENV
+from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.log_format import LogSettings
 
@@ -33,8 +34,9 @@ def serve_args(flags: list[str]):
 def child_configs(plan):
     """(EngineConfig, NodeConfig, LogSettings) as the planned node process builds them: its
     argv parsed by its own parser, its environment's PDSERVE_NODE_CONFIG under it."""
-    module, node_argv = plan.argv[2], plan.argv[3:]
-    parser = node_parser(f"python -m {module}", "")
+    start = len(python_module_command(plan.argv[3]))
+    module, node_argv = plan.argv[3].removeprefix("pdserve."), plan.argv[start:]
+    parser = node_parser(f"python -m pdserve.{module}", "")
     if module != "colocated_node":
         add_kv_flags(parser, receiver=module == "decode_node")
     return configs(parser.parse_args(node_argv), plan.env)
@@ -48,8 +50,8 @@ def planned_router(args, served: ServedModel | None = None, heartbeat_interval: 
         args, served, "tcp://127.0.0.1:26992", ["node-0=tcp://127.0.0.1:26991"], "s" * 32,
         heartbeat_interval,
     )
-    assert plan.argv[1:] == ["-m", "pdserve.router"]
-    return plan, parse_router_args(plan.argv[3:], environ=plan.env)
+    assert plan.argv == python_module_command("pdserve.router")
+    return plan, parse_router_args([], environ=plan.env)
 
 
 def node_engine_configs(args, model: str = "/models/tiny"):
@@ -147,7 +149,7 @@ def test_router_logging_flags_reach_the_router():
 
 def test_the_router_gets_its_settings_as_data_and_its_secrets_in_its_environment_alone():
     plan, (config, _) = planned_router(serve_args(["--api-key", "key-1234", "--max-n", "4"]))
-    assert plan.argv[1:] == ["-m", "pdserve.router"]
+    assert plan.argv == python_module_command("pdserve.router")
     assert (config.api_key, config.max_n) == ("key-1234", 4)
     assert config.cluster_auth.enabled
     assert plan.env[API_KEY_ENV] == "key-1234" and plan.env[SECRET_ENV] == "s" * 32
