@@ -2,7 +2,9 @@
 
 Every child (the router, each node) is one `Child` with the argv that starts it. On Linux each
 asks the kernel for SIGTERM when the launcher dies (PR_SET_PDEATHSIG), so even a `kill -9` of
-the launcher leaves no orphan behind.
+the launcher leaves no orphan behind. Each runs in a session of its own, so a terminal's Ctrl-C
+reaches the launcher alone, which stops every child once, in order (below): each says one line
+and none prints a traceback.
 
 Lifecycle of a node child after the deployment is ready:
   running     until it exits (a crash, a kill).
@@ -95,6 +97,7 @@ class Deployment:
             child.process = subprocess.Popen(
                 child.argv, env=child.env, stdout=output, stderr=stderr,
                 preexec_fn=hook,  # noqa: PLW1509
+                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher alone
             )
         finally:
             if output is not None:

@@ -166,7 +166,8 @@ def run_node(args: argparse.Namespace, role: Callable[..., Any]) -> int:
         return 2
     logger.info("loading model %s", engine.model or "(default)")
     node = role(engine_config=engine, config=config)
-    if not signals:
+    if signals:  # before it served: node.run() would have logged its own "stopped" line
+        logger.info("stopped on %s while loading", signal.Signals(signals[0]).name)
+    else:
         node.run()
-    logger.info("exiting on %s", signal.Signals(signals[0]).name if signals else "stop")
     return 0

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import functools
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.run(serve(config, log))
     except KeyboardInterrupt:  # SIGINT: uvicorn has shut down and re-raised it
         pass
+    logging.getLogger(__name__).info("router stopped")
 
 
 if __name__ == "__main__":

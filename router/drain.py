@@ -5,13 +5,15 @@ so a load balancer moves away) and keeps serving the requests in flight until no
 `drain_timeout_s` has passed; the ones still running then end with a 503: an error event for a
 stream that has started, the HTTP status otherwise. Then uvicorn shuts down as usual (closes
 the listener, lets the responses finish within its graceful timeout). A second SIGTERM, or
-SIGINT, skips the drain: uvicorn's own shutdown starts at once.
+SIGINT, skips the drain: uvicorn's own shutdown starts at once. A second SIGINT forces the exit
+(connections are not waited for), and the app's shutdown still closes the node links.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 from typing import Any
@@ -40,6 +42,14 @@ class DrainingServer(uvicorn.Server):
             self.state.draining = True
             return
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown; after a forced exit (a second SIGINT) the app's own shutdown
+        still runs (it closes the node links at once), so no task is left for the event loop to
+        cancel with a traceback."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:

@@ -52,7 +52,7 @@ def stop_hogs(hogs: list[multiprocessing.Process]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cpu_hog", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -P tests/cpu_hog.py", description=__doc__)
     parser.add_argument(
         "--processes", type=int, default=len(os.sched_getaffinity(0)),
         help="busy-looping processes (default: one per usable core)",
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("no command given: python -m tests.cpu_hog -- COMMAND [ARG...]")
+        parser.error("no command given: python -P tests/cpu_hog.py -- COMMAND [ARG...]")
     if args.processes < 1:
         parser.error(f"--processes is {args.processes}; expected at least 1")
 

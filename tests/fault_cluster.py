@@ -58,11 +58,11 @@ class Cluster:
             "--kv-cache-memory", str(32 << 20), "--dtype", "float32", *node_flags,
         ]
         if colocated:
-            roles = [("colocated", "colocated_node", [])]
+            roles = [("colocated", "pdserve.colocated_node", [])]
         else:
             roles = [
-                ("prefill", "prefill_node", ["--kv-transport", kv_transport, *prefill_flags]),
-                ("decode", "decode_node",
+                ("prefill", "pdserve.prefill_node", ["--kv-transport", kv_transport, *prefill_flags]),
+                ("decode", "pdserve.decode_node",
                  ["--kv-transport", kv_transport, *decode_flags]),
             ]
         router_argv = [

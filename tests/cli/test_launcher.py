@@ -19,8 +19,9 @@ from tests.fault_checks import alive, children_of
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum):
+def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum, tmp_path):
     port = free_port()
+    stderr = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115 (closed below)
     # MODEL positional; once, a second served name (the first stays the one listed).
     aliases = ["--served-model-name", tiny_llama_dir.name, "alias"] if signum == signal.SIGINT else []
     # A non-default engine option, handed to the nodes as data, comes back in their NodeStats.
@@ -28,7 +29,7 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
         [sys.executable, "-m", "pdserve.commands.cli", "serve", str(tiny_llama_dir),
          "--port", str(port),
          "--max-model-len", "96", *aliases],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
     )
     children: list[int] = []
     try:
@@ -48,13 +49,24 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum)
             assert response.status_code == 200, response.text
         children = children_of(launcher.pid)
         assert len(children) == 3  # a prefill node, a decode node, the router
-        launcher.send_signal(signum)
+        if signum == signal.SIGINT:  # as a terminal's Ctrl-C: to the launcher's process group
+            os.killpg(launcher.pid, signum)
+        else:
+            launcher.send_signal(signum)
         assert launcher.wait(30) == (-signal.SIGKILL if signum == signal.SIGKILL else 0)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # SIGTERM from the kernel; a busy host is slow
         while any(alive(pid) for pid in children):
             assert time.monotonic() < deadline, "a child outlived the launcher"
             time.sleep(0.1)
+        if signum != signal.SIGKILL:  # a quiet stop: one line per process, no traceback
+            stderr.seek(0)
+            said = stderr.read()
+            assert "Traceback" not in said, said
+            for line in (f"node prefill-0.{port} stopped", f"node decode-0.{port} stopped",
+                         "router stopped"):
+                assert said.count(line) == 1, (line, said)
     finally:
+        stderr.close()
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
@@ -109,3 +121,36 @@ def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llam
     assert match[2] != "0" and match[3].strip()
     log = Path(match[4]).read_text()
     assert match[3] in log and "Traceback" in log
+
+
+def test_a_router_stopped_by_two_quick_sigints_exits_quietly(tiny_llama_dir, tmp_path):
+    """Two Ctrl-Cs in a row (the second forces uvicorn's exit): one line, no traceback."""
+    output_path = tmp_path / "router.txt"
+    with open(output_path, "w") as output:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.router", "--model", str(tiny_llama_dir),
+             "--port", str(free_port()), "--node", f"tcp://127.0.0.1:{free_port()}",
+             "--listen", f"tcp://127.0.0.1:{free_port()}", "--uvicorn-log-level", "info"],
+            stdout=output, stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for_line(output_path, "pdserve router listening", router)
+        router.send_signal(signal.SIGINT)
+        wait_for_line(output_path, "Shutting down", router)  # uvicorn's, at INFO
+        router.send_signal(signal.SIGINT)
+        assert router.wait(60) in (0, -signal.SIGINT)
+    finally:
+        if router.poll() is None:
+            router.kill()
+            router.wait()
+    said = output_path.read_text()
+    assert "Traceback" not in said, said
+    assert said.count("router stopped") == 1, said
+
+
+def wait_for_line(path: Path, text: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while text not in path.read_text():
+        assert process.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, f"the process never said {text!r}"
+        time.sleep(0.05)
