@@ -1,16 +1,17 @@
 """`make gpu-check`: one prepared run that proves pdserve's GPU path on one NVIDIA GPU, sized for
-an H200: under 8 minutes, with no network.
+an H200: at most 7 minutes (the steps' limits add up to TOTAL_BUDGET_S), with no network.
 
 Each step runs as a child process with its own time limit, inside one total budget, so a step
 that hangs or fails costs its own slot and the rest still run (in this order; gpu, cuda-ipc,
 serve-1p1d and llama8b are the checks of bench/gpu_checks.py):
 
-  wheels         installs what the machine lacks (pyzmq, fastapi, uvicorn, pydantic and their
-                 needs) offline from .gpu-wheels (`make gpu-wheels`) into a folder put on
-                 PYTHONPATH; the machine's own torch and triton stay the ones used
+  wheels         installs what the machine lacks (pyzmq, fastapi, uvicorn, pydantic, llguidance
+                 and their needs) offline from .gpu-wheels (`make gpu-wheels`) into a folder put
+                 on PYTHONPATH; the machine's own torch and triton stay the ones used
   gpu            the device, its shared memory per block, the attention tiles chosen for it,
                  and the copy bandwidth (bytes read + written per second, 4 GiB device copy)
-  kernels        the Triton kernel tests compiled (TRITON_INTERPRET=0) in fp32/fp16/bf16
+  kernels        the Triton kernel tests compiled (TRITON_INTERPRET=0) in fp32/fp16/bf16, and
+                 over an fp8 (e4m3) KV cache with its scales
   parity         CUDA tests: greedy tokens equal to transformers' on tiny models (fp32), CUDA
                  graphs on and off, batched block copies, KV transports on the GPU
   cuda-ipc       two processes on the one GPU with the CUDA_VISIBLE_DEVICES the launcher gives
@@ -25,6 +26,12 @@ serve-1p1d and llama8b are the checks of bench/gpu_checks.py):
 Results go to one folder ($OUT when set, else bench/results/gpu_check/): gpu_check.md (the
 summary, also written to bench/results/gpu_check.md), gpu_check.json (every number),
 gpu_check.log (every step's output) and kernels.md (bench.kernels' report).
+
+The checkout is not installed there: every step's Python finds it as `pdserve.<folder>` (and its
+tests as `tests.<module>`) through links in a folder on PYTHONPATH, never through the checkout
+root, whose folders would shadow installed packages of the same name. `make gpu-dryrun`
+(bench/gpu_dryrun.py) proves on a CPU that every module and test of these steps imports with
+only the GPU machine's packages and the wheels.
 
     bash bench/gpu_check.sh                           # what `make gpu-check` runs
     python3 bench/gpu_check.py --only gpu,llama8b     # some steps
@@ -51,30 +58,34 @@ from xml.etree import ElementTree
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-TOTAL_BUDGET_S = 470
+# A whole run takes at most 7 minutes, so that a second one fits in a quarter of an hour.
+TOTAL_BUDGET_S = 420
 REPORT_RESERVE_S = 10
+IMPORT_CHECK_S = 5
 WHEELS_DIR = REPO_ROOT / ".gpu-wheels"
 SITE_DIR = Path(tempfile.gettempdir()) / "pdserve-gpu-check-site"
 # The checkout is not installed on the GPU machine: a folder whose `pdserve` links to it makes
 # its folders importable as `pdserve.<folder>`, as an installed wheel has them.
 CHECKOUT_LINK_DIR = Path(tempfile.gettempdir()) / "pdserve-gpu-check-checkout"
-SERVING_MODULES = ("zmq", "fastapi", "uvicorn", "pydantic", "starlette")
-KERNEL_TESTS = [
+# What the wheels bring (the GPU machine's image has none of them).
+WHEEL_MODULES = ("zmq", "fastapi", "uvicorn", "pydantic", "starlette", "llguidance")
+KERNEL_TESTS = (
     "tests/kernels/test_store_kv.py",
     "tests/kernels/test_decode_attention.py",
     "tests/kernels/test_prefill_attention.py",
     "tests/kernels/test_block_copy.py",
     "tests/kernels/test_triton_backend.py",
     "tests/kernels/test_gpu_tiles.py",
-]
-PARITY_TESTS = [
+    "tests/kernels/test_fp8_kernels.py",
+)
+PARITY_TESTS = (
     "tests/engine/test_greedy_parity.py::test_greedy_equals_transformers_on_cuda_in_fp32",
     "tests/kernels/test_triton_parity.py",
     "tests/engine/test_gpu_cuda_graphs.py",
     "tests/engine/test_block_staging.py",
     "tests/kvtransfer/test_cuda_ipc.py",
     "tests/kvtransfer/test_gpu_staging.py",
-]
+)
 
 
 @dataclass
@@ -83,6 +94,8 @@ class Context:
     scratch: Path
     env: dict[str, str]
     python: str = sys.executable
+    wheels_dir: Path = WHEELS_DIR
+    site_dir: Path = SITE_DIR
 
 
 @dataclass
@@ -144,25 +157,49 @@ def stop_group(child: subprocess.Popen) -> None:
             pass
 
 
+def checkout_env(base: dict[str, str], site_dir: Path, link_dir: Path) -> dict[str, str]:
+    """The environment of every step's Python: the wheels' folder `site_dir` first on
+    PYTHONPATH, then `link_dir`, whose links `pdserve` (the checkout) and `tests` make them
+    importable as an installed wheel has them; PYTHONSAFEPATH keeps the working directory (the
+    checkout root) off every sys.path, so `kernels` is never our folder."""
+    link_dir.mkdir(parents=True, exist_ok=True)
+    for name, target in (("pdserve", REPO_ROOT), ("tests", REPO_ROOT / "tests")):
+        link = link_dir / name
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(target, target_is_directory=True)
+    env = {**base, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONSAFEPATH": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(site_dir), str(link_dir), base.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
 def step_wheels(ctx: Context, limit_s: float) -> Outcome:
     """Every wheel of .gpu-wheels (one consistent set, downloaded with its dependencies) goes
-    into SITE_DIR, which comes first on PYTHONPATH: those packages are the versions the tests
-    ran with elsewhere, whatever older copies the machine holds; torch is not among them."""
-    check = [ctx.python, "-c", f"import {', '.join(SERVING_MODULES)}"]
-    if run_child(check, ctx, 30) == 0:
-        return Outcome("pass", detail="every serving package is importable already")
-    wheels = sorted(WHEELS_DIR.glob("*.whl"))
+    into the site folder (SITE_DIR), which comes first on PYTHONPATH: those packages are the
+    versions the tests ran with elsewhere, whatever older copies the machine holds; torch is
+    not among them."""
+    check = [ctx.python, "-c", f"import {', '.join(WHEEL_MODULES)}"]
+    if run_child(check, ctx, IMPORT_CHECK_S) == 0:
+        return Outcome("pass", detail="every package of the wheels is importable already")
+    wheels = sorted(ctx.wheels_dir.glob("*.whl"))
     if not wheels:
-        return Outcome("fail", detail=f"{WHEELS_DIR.name}/ holds no wheels: run `make gpu-wheels`")
+        return Outcome(
+            "fail", detail=f"{ctx.wheels_dir.name}/ holds no wheels: run `make gpu-wheels`"
+        )
     install = [
         ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-        "--disable-pip-version-check", "--upgrade", "--target", str(SITE_DIR), *map(str, wheels),
+        "--disable-pip-version-check", "--upgrade", "--target", str(ctx.site_dir),
+        *map(str, wheels),
     ]
-    if run_child(install, ctx, limit_s - 30) != 0 or run_child(check, ctx, 30) != 0:
-        return Outcome("fail", detail=f"{', '.join(SERVING_MODULES)} do not import; see the log")
+    installed = run_child(install, ctx, limit_s - 2 * IMPORT_CHECK_S)
+    if installed != 0 or run_child(check, ctx, IMPORT_CHECK_S) != 0:
+        return Outcome("fail", detail=f"{', '.join(WHEEL_MODULES)} do not import; see the log")
     names = sorted(wheel.name.split("-")[0] for wheel in wheels)
     return Outcome(
-        "pass", detail=f"{len(wheels)} wheels into {SITE_DIR}", numbers={"installed": names}
+        "pass", detail=f"{len(wheels)} wheels into {ctx.site_dir}", numbers={"installed": names}
     )
 
 
@@ -185,13 +222,22 @@ def internal_step(name: str) -> Callable[[Context, float], Outcome]:
     return run
 
 
-def pytest_step(name: str, targets: list[str], workers: int) -> Callable[[Context, float], Outcome]:
-    def run(ctx: Context, limit_s: float) -> Outcome:
-        junit = ctx.scratch / f"{name}.xml"
+@dataclass(frozen=True)
+class PytestStep:
+    """A step that runs `targets` under pytest with the Triton kernels compiled
+    (TRITON_INTERPRET=0), on `workers` processes, one test file each, where pytest-xdist is
+    there; it passes when pytest does and ran some test."""
+
+    name: str
+    targets: tuple[str, ...]
+    workers: int
+
+    def __call__(self, ctx: Context, limit_s: float) -> Outcome:
+        junit = ctx.scratch / f"{self.name}.xml"
         argv = [ctx.python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                f"--junitxml={junit}", *targets]
-        if workers > 1 and importlib.util.find_spec("xdist") is not None:
-            argv += ["-n", str(workers), "--dist", "loadfile"]
+                f"--junitxml={junit}", *self.targets]
+        if self.workers > 1 and importlib.util.find_spec("xdist") is not None:
+            argv += ["-n", str(self.workers), "--dist", "loadfile"]
         code = run_child(argv, ctx, limit_s, env={**ctx.env, "TRITON_INTERPRET": "0"})
         counts = junit_counts(junit) if junit.exists() else {}
         if code is None:
@@ -201,8 +247,6 @@ def pytest_step(name: str, targets: list[str], workers: int) -> Callable[[Contex
         detail = summary + (f"; failing: {', '.join(failing[:6])}" if failing else "")
         ok = code == 0 and counts.get("passed", 0) > 0
         return Outcome("pass" if ok else "fail", detail=detail or f"exit {code}", numbers=counts)
-
-    return run
 
 
 def junit_counts(path: Path) -> dict:
@@ -231,24 +275,26 @@ def command_step(name: str, argv: Callable[[Context], list[str]]):
     return run
 
 
-STEPS = [
-    Step("wheels", 60, "serving packages installed offline from .gpu-wheels", step_wheels),
-    Step("gpu", 40, "device, shared memory, tiles, copy bandwidth", internal_step("gpu")),
-    Step("kernels", 130, "Triton kernel tests compiled, fp32/fp16/bf16",
-         pytest_step("kernels", KERNEL_TESTS, workers=4)),
-    Step("parity", 150, "greedy parity vs transformers, CUDA graphs on/off, GPU copies",
-         pytest_step("parity", PARITY_TESTS, workers=4)),
-    Step("cuda-ipc", 60, "KV over cuda_ipc, two processes mapped as the launcher does",
+# The limits add up to TOTAL_BUDGET_S - REPORT_RESERVE_S (bench/gpu_dryrun.py checks it).
+STEPS = (
+    Step("wheels", 30, "serving packages and llguidance installed offline from .gpu-wheels",
+         step_wheels),
+    Step("gpu", 25, "device, shared memory, tiles, copy bandwidth", internal_step("gpu")),
+    Step("kernels", 90, "Triton kernel tests compiled, fp32/fp16/bf16 and an fp8 KV cache",
+         PytestStep("kernels", KERNEL_TESTS, workers=len(KERNEL_TESTS))),
+    Step("parity", 80, "greedy parity vs transformers, CUDA graphs on/off, GPU copies",
+         PytestStep("parity", PARITY_TESTS, workers=len(PARITY_TESTS))),
+    Step("cuda-ipc", 35, "KV over cuda_ipc, two processes mapped as the launcher does",
          internal_step("cuda-ipc")),
-    Step("serve-1p1d", 150, "1P1D vs colocated on one GPU over HTTP, same greedy text",
+    Step("serve-1p1d", 60, "1P1D vs colocated on one GPU over HTTP, same greedy text",
          internal_step("serve-1p1d")),
-    Step("llama8b", 150, "Llama-3-8B-shaped decode step, dummy bf16 weights",
+    Step("llama8b", 60, "Llama-3-8B-shaped decode step, dummy bf16 weights",
          internal_step("llama8b")),
-    Step("bench-kernels", 70, "decode attention vs copy bandwidth (bench.kernels)",
+    Step("bench-kernels", 30, "decode attention vs copy bandwidth (bench.kernels)",
          command_step("bench-kernels", lambda ctx: [
              ctx.python, "-m", "pdserve.bench.kernels", "--skip-step", "--copy-gib", "2",
              "--output", str(ctx.out_dir / "kernels.md")])),
-]
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,17 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = wanted - {s.name for s in STEPS}
     if unknown:
         parser.error(f"unknown steps {sorted(unknown)}; valid: {[s.name for s in STEPS]}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    CHECKOUT_LINK_DIR.mkdir(exist_ok=True)
-    link = CHECKOUT_LINK_DIR / "pdserve"
-    if link.is_symlink():
-        link.unlink()
-    link.symlink_to(REPO_ROOT, target_is_directory=True)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(SITE_DIR), str(CHECKOUT_LINK_DIR), str(REPO_ROOT),
-                    env.get("PYTHONPATH", "")) if p
-    )
+    env = checkout_env(dict(os.environ), SITE_DIR, CHECKOUT_LINK_DIR)
     started = time.monotonic()
     outcomes: dict[str, Outcome] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

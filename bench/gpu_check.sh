@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# `make gpu-check`: proves pdserve's GPU path on one NVIDIA GPU in under 8 minutes, offline
+# `make gpu-check`: proves pdserve's GPU path on one NVIDIA GPU in at most 7 minutes, offline
 # (bench/gpu_check.py says what each step proves; results go to $OUT, else
 # bench/results/gpu_check/, and the summary to bench/results/gpu_check.md).
 # It needs the wheels `make gpu-wheels` puts in .gpu-wheels/ for what the machine lacks
-# (pyzmq, fastapi, uvicorn, pydantic). Without a GPU it says so and exits 0.
+# (pyzmq, fastapi, uvicorn, pydantic, llguidance). Without a GPU it says so and exits 0.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${GPU_CHECK_PYTHON:-python3}

@@ -1,6 +1,7 @@
 """The checks of `make gpu-check` that run inside a child process of bench/gpu_check.py, one
 per process: `python -m pdserve.bench.gpu_checks NAME SCRATCH` runs check NAME and writes
-SCRATCH/NAME.json ({"ok", "detail", "numbers"}), which the driver reads for its report.
+SCRATCH/NAME.json ({"ok", "detail", "numbers"}), which the driver reads for its report. The
+driver's environment makes pdserve and the checkout's tests importable (gpu_check.checkout_env).
 
   gpu         the device, its shared memory per block, the attention tiles chosen for it at
               head dim 128, and the copy bandwidth (bytes read + written per second)
@@ -27,12 +28,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 LLAMA_BATCHES = (1, 32, 256)
 LLAMA_CONTEXT = 512
-LLAMA_TIMED_STEPS = 20
+LLAMA_TIMED_STEPS = 10
+SERVE_READY_TIMEOUT_S = 25  # each deployment; both run inside the step's limit
 GIB = 2**30
 CheckResult = tuple[bool, str, dict]  # (passed, one line for the summary, numbers)
 
@@ -225,7 +225,9 @@ def check_serve_1p1d(scratch: Path) -> CheckResult:
         log_path = scratch / f"serve-{layout}.log"
         started = time.perf_counter()
         try:
-            server = ServeProcess([*flags, *extra], ready_timeout_s=90, log_path=log_path)
+            server = ServeProcess(
+                [*flags, *extra], ready_timeout_s=SERVE_READY_TIMEOUT_S, log_path=log_path
+            )
         except RuntimeError as error:
             print(log_path.read_text()[-4000:], flush=True)
             return False, f"{layout} did not start: {error}", numbers

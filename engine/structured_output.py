@@ -45,6 +45,9 @@ The matcher depends only on the output tokens: a preempted sequence (recompute o
 it as it is, and a step that fails and runs again never advanced it (only `append_token` does).
 The compile pool's threads only build the tokenizer (once, under a lock) and compile; the cache,
 the compiles in flight and the held sequences belong to the engine's thread.
+
+llguidance is imported by the first constrained request, not with this module: an engine, and
+every node, runs without it, and refuses a constrained request there naming the package.
 """
 
 from __future__ import annotations
@@ -57,13 +60,13 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.torch
 import torch
 
 from pdserve.wire.structured_output import GrammarError, spec_key
 
 if TYPE_CHECKING:
+    import llguidance
+
     from pdserve.engine.sequence import Sequence
     from pdserve.text.tokenizer import Tokenizer
 
@@ -75,12 +78,27 @@ DEFAULT_CACHE_SIZE = 256  # compiled specs kept, least recently used dropped fir
 NUM_COMPILE_THREADS = 2
 HELD_WAIT_S = 0.01
 MAX_ERROR_CHARS = 500
+LLGUIDANCE_REQUIREMENT = "llguidance>=1.9.1,<2"
+
+
+def load_llguidance() -> Any:
+    """The llguidance module (with its torch helpers), imported on first use; ValueError naming
+    the package when it is not installed."""
+    try:
+        import llguidance
+        import llguidance.torch
+    except ImportError as error:
+        raise ValueError(
+            f"structured_output needs the package {LLGUIDANCE_REQUIREMENT!r}, which does not "
+            f"import here ({error}); install it to constrain outputs"
+        ) from None
+    return llguidance
 
 
 def grammar_text(spec: dict[str, Any]) -> str:
     """The llguidance grammar of a checked spec (wire/structured_output.py)."""
     ((kind, body),) = spec.items()
-    Matcher = llguidance.LLMatcher
+    Matcher = load_llguidance().LLMatcher
     if kind == "json_schema":
         return Matcher.grammar_from_json_schema(body, defaults=JSON_FORMAT)
     if kind == "json_object":
@@ -163,6 +181,7 @@ class StructuredOutput:
             raise ValueError(
                 "structured_output needs the model's tokenizer, and this model folder has none"
             )
+        load_llguidance()
         key = spec_key(spec)
         compiled = self._compiled.get(key)
         if compiled is not None:
@@ -234,7 +253,7 @@ class StructuredOutput:
                 f"grammar: {matcher.get_error()[:MAX_ERROR_CHARS]}"
             )
         if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+            self._executor = load_llguidance().LLExecutor()
         seq.grammar = SequenceGrammar(seq.request_id, matcher, self._executor)
 
     def _remember(self, key: str, compiled: llguidance.LLMatcher) -> None:
@@ -250,7 +269,7 @@ class StructuredOutput:
             text = grammar_text(spec)
         except ValueError as error:
             raise GrammarError(f"structured_output.{kind} does not compile: {error}") from None
-        matcher = llguidance.LLMatcher(self._tokenizer_for_grammars(), text, log_level=0)
+        matcher = load_llguidance().LLMatcher(self._tokenizer_for_grammars(), text, log_level=0)
         if matcher.is_error():
             raise GrammarError(
                 f"structured_output.{kind} does not compile: "
@@ -266,7 +285,7 @@ class StructuredOutput:
                 backend = copy.copy(self.tokenizer.backend_tokenizer)
                 backend.no_padding()
                 backend.no_truncation()
-                self._grammar_tokenizer = llguidance.LLTokenizer(
+                self._grammar_tokenizer = load_llguidance().LLTokenizer(
                     backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
             return self._grammar_tokenizer
@@ -281,7 +300,7 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     grammars = [seqs[row].grammar for row in rows]
     vocab = logits.shape[-1]
     bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask_par(
+    load_llguidance().torch.fill_next_token_bitmask_par(
         grammars[0].executor, [(g.matcher, i) for i, g in enumerate(grammars)], bitmask
     )
     device = logits.device

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import threading
 
 import pytest
@@ -296,6 +297,19 @@ def test_a_node_reports_a_spec_that_does_not_compile_as_a_400(tiny_llama_dir, pr
     assert isinstance(failed, RequestFailed) and failed.status == 400
     assert "structured_output.grammar" in failed.message
     check_clean(generation.engine)
+
+
+def test_without_llguidance_only_constrained_requests_are_refused_naming_it(
+    tiny_llama_dir, prompts, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` now fails
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    with pytest.raises(ValueError, match="llguidance"):
+        engine.add_request("constrained", prompts[0], params(SPECS["regex"], None))
+    engine.add_request("plain", prompts[1], params(None, None, 5))
+    tokens, errors = run_to_end(engine)
+    assert not errors and len(tokens["plain"]) == 5
+    check_clean(engine)
 
 
 def test_a_held_request_blocks_no_one_and_can_be_aborted(tiny_llama_dir, prompts, monkeypatch):
