@@ -25,8 +25,10 @@ RUN case ",$PDSERVE_EXTRAS," in *,mooncake,*) apt-get update \
     && apt-get install -y --no-install-recommends libibverbs1 \
     && rm -rf /var/lib/apt/lists/* ;; esac
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/*.whl)${PDSERVE_EXTRAS:+[$PDSERVE_EXTRAS]}" \
-    && rm -rf /wheels
+# Its dependencies at the versions CI tested (requirements.lock, `make lock`).
+COPY requirements.lock /wheels/
+RUN pip install --no-cache-dir -c /wheels/requirements.lock \
+    "$(ls /wheels/*.whl)${PDSERVE_EXTRAS:+[$PDSERVE_EXTRAS]}" && rm -rf /wheels
 
 RUN useradd --create-home --uid 1000 pdserve && mkdir /data && chown pdserve /data
 USER pdserve

@@ -3,17 +3,38 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
+# Known-good versions of everything `make install` installs (pyproject keeps ranges for library
+# users); `make lock` resolves them anew, to the newest pip offers, with torch held at TORCH.
+LOCK := requirements.lock
+EXTRAS := test,mooncake
+TORCH := 2.13.0
+LOCK_VENV := .venv-lock
+# `make test-newest`: the newest versions pip offers today, torch included.
+NEWEST_VENV := .venv-newest
 
-.PHONY: install serve test test-fast test-stress bench download clean
+.PHONY: install serve test test-fast test-stress test-newest lock bench download clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(MAKE) --no-print-directory libibverbs
-	$(PY) -m pip install -e '.[test,mooncake]'
+	$(PY) -m pip install -c $(LOCK) -e '.[$(EXTRAS)]'
+	$(PY) -P tests/lock_drift.py $(LOCK)
 	touch $(STAMP)
+
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH)
+	$(LOCK_VENV)/bin/python -m pip install -q '.[$(EXTRAS)]'
+	{ echo "# make lock, $$(date -u +%Y-%m-%d), Python $$($(LOCK_VENV)/bin/python -c \
+	'import platform; print(platform.python_version(), platform.machine())'): what make install"; \
+	  echo "# installs (pip install -c $(LOCK) -e '.[$(EXTRAS)]'), torch held at $(TORCH)."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude pdserve --exclude pip \
+	  --exclude setuptools --exclude wheel | sed -E 's/^([^=]+==[^+]+)\+.*/\1/'; } > $(LOCK)
+	rm -rf $(LOCK_VENV)
+	@echo "$(LOCK): $$(grep -c == $(LOCK)) packages"
 
 # The mooncake KV transport's engine links libibverbs (no RDMA device needed). Installed with
 # apt-get where it is missing on a Debian-like host, as root or through sudo; elsewhere a note.
@@ -38,7 +59,7 @@ serve: install
 test: install
 	$(PY) -P -m pytest -q --durations=20
 
-# In-process tests only (no server, node or peer process; nothing that takes seconds): < 1 min.
+# In-process tests only (no server, node or peer process; nothing that takes seconds): a few minutes.
 test-fast: install
 	$(PY) -P -m pytest -q -m "not processes and not slow and not default_model"
 
@@ -47,29 +68,57 @@ test-fast: install
 test-stress: install
 	$(PY) -P tests/cpu_hog.py -- $(PY) -P -m pytest -q tests/faults tests/e2e
 
+# The fast tier and one `pdserve serve` request in an environment resolved to the newest versions
+# pip offers today (not the lock), after a list of what differs from the lock: CI runs it, so a
+# release that breaks pdserve is named at the next submission, not by a user.
+test-newest:
+	test -x $(NEWEST_VENV)/bin/python || $(PYTHON) -m venv $(NEWEST_VENV)
+	$(MAKE) --no-print-directory libibverbs
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
+		-e '.[$(EXTRAS)]'
+	$(NEWEST_VENV)/bin/python -P tests/lock_drift.py $(LOCK)
+	$(NEWEST_VENV)/bin/python -P -m pytest -q -p no:cacheprovider \
+		-m "not processes and not slow and not default_model"
+	$(NEWEST_VENV)/bin/python -P tests/serve_smoke.py
+
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m pdserve.bench.offline
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(NEWEST_VENV) $(LOCK_VENV) .gpu-dryrun *.egg-info .pytest_cache
 
 # The GPU check (README, "GPU check"; docs/operations.md): `make gpu-wheels` where pip reaches an index, then
 # `make gpu-check` on the GPU machine, offline. The wheels are what that machine (Python 3.12,
 # x86_64) lacks; they travel with the checkout in an ignored folder, kept under 32 MiB.
+# `make gpu-dryrun` proves here, without a GPU, that everything the check imports is there:
+# a venv of the GPU machine's own packages, and the same wheels for this Python, installed as
+# the check installs them.
 GPU_WHEELS := .gpu-wheels
-GPU_WHEEL_PACKAGES := 'pyzmq>=26' 'fastapi>=0.110' 'uvicorn>=0.29' 'pydantic>=2.6'
-GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 \
-	manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_WHEELS_PYTHON := 3.12
+GPU_WHEEL_PACKAGES := 'pyzmq>=26' 'fastapi>=0.110' 'uvicorn>=0.29' 'pydantic>=2.6' \
+	'llguidance>=1.9.1,<2'
+# llguidance's wheels are tagged manylinux_2_31.
+GPU_WHEEL_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
+	manylinux_2_26_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_DRYRUN := .gpu-dryrun
+GPU_DRYRUN_PY := $(GPU_DRYRUN)/venv/bin/python
 
-.PHONY: gpu-wheels gpu-check
+.PHONY: gpu-wheels gpu-check gpu-dryrun
 
 gpu-wheels:
 	rm -rf $(GPU_WHEELS)
-	$(PYTHON) -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(GPU_WHEELS_PYTHON) \
+		--implementation cp $(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d $(GPU_WHEELS) \
+		$(GPU_WHEEL_PACKAGES)
 	@size=$$(du -sm $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$size MiB"; \
 		test $$size -lt 32 || { echo "$(GPU_WHEELS) is over 32 MiB"; exit 1; }
 
 gpu-check:
 	bash bench/gpu_check.sh
+
+gpu-dryrun:
+	$(PYTHON) -P bench/gpu_image_venv.py $(GPU_DRYRUN)/venv
+	$(MAKE) --no-print-directory gpu-wheels GPU_WHEELS=$(GPU_DRYRUN)/wheels \
+		GPU_WHEELS_PYTHON=$$($(GPU_DRYRUN_PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	$(GPU_DRYRUN_PY) -P bench/gpu_dryrun.py $(GPU_DRYRUN)

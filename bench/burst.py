@@ -92,7 +92,7 @@ async def _one(http: httpx.AsyncClient, body: dict, start: float, timeout_s: flo
     record = StreamRecord(sent_s=time.perf_counter() - start)
     try:
         await asyncio.wait_for(_read(http, body, record, start), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         record.timed_out = True
     except Exception as error:  # noqa: BLE001 - one request's failure is a result, not a crash
         record.exception = f"{type(error).__name__}: {error}"[:200]

@@ -33,7 +33,7 @@ def machine_info() -> dict[str, str]:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
         "cores": f"{cores} usable ({os.cpu_count()} online)",
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",

@@ -295,7 +295,7 @@ class Generation:
                 return self.queue.get_nowait()
             try:
                 return await asyncio.wait_for(self.queue.get(), self._poll_at - now)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _handle(self, message: Any) -> ChoiceEvent | None:

@@ -9,10 +9,10 @@ import json
 import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = ("Dockerfile", "Dockerfile.cuda")

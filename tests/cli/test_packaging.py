@@ -6,9 +6,11 @@ import subprocess
 import sys
 
 PROBE = """
+import importlib.util, pathlib
 import pdserve.kernels, pdserve.router, pdserve.engine
-from transformers.utils import is_kernels_available
-assert not is_kernels_available(), "transformers mistook pdserve's kernels for its hub package"
+hub_kernels = importlib.util.find_spec("kernels")  # Hugging Face's, when transformers needs it
+ours = pathlib.Path(pdserve.kernels.__file__).parent
+assert hub_kernels is None or pathlib.Path(hub_kernels.origin).parent != ours, hub_kernels.origin
 from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from transformers import LlamaConfig
 import torch

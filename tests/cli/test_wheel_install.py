@@ -31,8 +31,8 @@ PLOTTING_ONLY = {"matplotlib"}
 # `make gpu-check` runs from the checkout, whose tests/ it imports its tiny model from.
 CHECKOUT_ONLY = {("tests", "pdserve/bench/gpu_checks.py")}
 NOT_SOURCES = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-    ".ruff_cache", ".gpu-wheels", ".device", ".gl", ".whl",
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+    ".ruff_cache", ".gpu-wheels", ".gpu-dryrun", ".device", ".gl", ".whl",
 )
 
 
