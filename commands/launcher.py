@@ -313,11 +313,9 @@ def serve(args: argparse.Namespace) -> int:
     nodes = plan_nodes(args, model, router_address)
     cluster_secret = args.cluster_secret or secrets.token_urlsafe(32)
     secret_env = {SECRET_ENV: cluster_secret}
-    from pdserve.node.config import NodeConfig
-
     router = plan_router(
         args, served, router_address, [f"{node.name}={node.address}" for node in nodes],
-        cluster_secret, NodeConfig(**nodes[0].config["node"]).heartbeat_interval,
+        cluster_secret,
     )
     drain_timeout = router.config.drain_timeout_s
     logs = None

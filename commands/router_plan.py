@@ -3,8 +3,7 @@
 `pdserve serve` takes every RouterConfig option the launcher does not decide itself, generated
 from the dataclass (commands/serve_flags.py). The launcher decides the rest: the model folder
 and its served names (as it resolved them), `--host`/`--port`, the router's ZeroMQ address, the
-nodes it started, the cluster secret, and, unless `--node-timeout` is given, two of the nodes'
-heartbeat intervals.
+nodes it started and the cluster secret.
 
 The router process's argv is `python -m pdserve.router` alone. Its settings travel as data: JSON in
 $PDSERVE_ROUTER_CONFIG (router/config.py's CONFIG_ENV), {"router": {field: value}, "log":
@@ -72,12 +71,9 @@ def plan_router(
     listen_address: str,
     node_addresses: Sequence[str],
     cluster_secret: str,
-    heartbeat_interval: float,
 ) -> RouterPlan:
-    """The router of a deployment whose nodes are `node_addresses` (`ID=tcp://...`) and send
-    a heartbeat every `heartbeat_interval` seconds."""
+    """The router of a deployment whose nodes are `node_addresses` (`ID=tcp://...`)."""
     values = router_options(args)
-    values.setdefault("node_timeout_s", 2 * heartbeat_interval)  # two missed heartbeats
     values.update(
         model_path=str(served.folder),
         served_model_name=served.names[0],

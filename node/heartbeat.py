@@ -3,23 +3,25 @@
 NodeStats leave the node loop between engine steps, so a long step (a big prefill chunk) would
 silence them; the heartbeat thread keeps telling the router the node process is alive every
 `interval` seconds over its own PUSH socket (zmq sockets are never shared across threads; the
-context is), so the router can call a node dead after two missed heartbeats instead of after
-the longest step it might take. The thread also watches that socket's handshakes: a router
+context is), so the router can tell a node that is silent (no heartbeat for its node timeout,
+30 s by default) from one that is merely in a long step. A node whose process exits is down at
+once in the router's eyes anyway: its connection closes (router/node_registry.py). The thread also watches that socket's handshakes: a router
 that refuses them (its cluster secret differs from the node's, or only one side has one) never
 hears the node, and the node logs that once, as an error naming `--cluster-secret`.
 
 What keeps a busy node alive in the router's eyes, and why no leniency is needed:
   - this thread runs during any step that lets it: torch releases the GIL inside its kernels,
     and Python hands the GIL over every 5 ms otherwise; on a machine where every core is busy
-    the gaps between heartbeats stay well under the two intervals the router allows;
+    the gaps between heartbeats stay far under the node timeout the router allows;
   - the one step that may hold the GIL (or the device) for seconds, a node's first forward
     (kernel JIT compilation, library and allocator set-up), runs before the node announces
     itself (`LLMEngine.warm_up`, when the NodeRuntime is built), so a node is registered only
     once it is ready and that cost never counts against it;
   - the router holds no heartbeat it has not read yet against a node: its own stalls do not
     make live nodes look dead (router/node_registry.py).
-Counting missed heartbeats more leniently for a node that reports work in progress was
-rejected: it would slow the failover of exactly the nodes whose death keeps clients waiting.
+A short node timeout (two missed heartbeats) was the rule once: on a host whose cores other
+work kept busy it declared healthy nodes dead and cut streams after their first tokens. Death is
+now noticed by the closed connection, so the silence bound can be long.
 
 The node loop marks each iteration (`progress`). A loop that makes no progress for
 `stall_limit_s` (a wedged step) stops the heartbeat: the router then treats the node as dead

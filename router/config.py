@@ -121,14 +121,13 @@ class RouterConfig:
         help="tokens the router holds for a stream whose client reads slower than the model "
         "writes; past it the request is aborted",
     )
-    # A node is dead after this long without a heartbeat. Nodes send one every 0.5 s (their
-    # default --heartbeat-interval) from a thread of their own: two missed heartbeats. Code
-    # whose nodes report less often (tests that inject one NodeStats) sets a longer one.
+    # A node whose process is alive is down after this long without a heartbeat (nodes send
+    # one every 0.5 s from a thread of their own); a node whose process exits is down at once,
+    # its connection closing. Why 30 s: router/node_registry.py.
     node_timeout_s: float = option(
-        1.0, flag="--node-timeout", metavar="SECONDS",
-        help="a node is dead after this long without a heartbeat (default 1.0: two missed "
-        "heartbeats at the nodes' default 0.5 s interval; `pdserve serve`: two of its "
-        "--heartbeat-interval)",
+        30.0, flag="--node-timeout", metavar="SECONDS",
+        help="a node whose process is alive but silent is down after this long without a "
+        "heartbeat (a node whose process exits is down at once: its connection closes)",
     )
     # On SIGTERM, requests in flight get this long to finish (router/drain.py).
     drain_timeout_s: float = option(

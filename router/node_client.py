@@ -353,6 +353,8 @@ class NodeClient:
             now = self.clock()
             late = now - last - interval
             last = now
+            for node, connected in self.links.connection_changes():
+                self.registry.connection_changed(node, connected)
             if late > self.node_timeout_s / 2:
                 logger.warning(
                     "the router was stalled for %.1f s; liveness judged next round", late
@@ -369,10 +371,8 @@ class NodeClient:
                 self.prompt_queues.forget(node)
             if self.on_liveness is not None:
                 self.on_liveness(node)
-        now = self.clock()
-
         def dead(node: NodeState) -> bool:
-            return not node.alive(now, self.node_timeout_s)
+            return not node.up
 
         for request_id, entry, node in self.inflight.lost_with(dead):
             self._lost(request_id, entry, f"{_describe(node)} stopped responding")

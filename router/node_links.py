@@ -2,6 +2,9 @@
 
 Each node known to the registry gets a PUSH socket (`NodeState.socket`): a plain, non-blocking
 zmq socket, so an Abort is a plain call that works even inside a cancelled task's `finally`.
+A monitor on that socket reports its TCP connection to the node opening and closing
+(`connection_changes()`): a node process that exits, killed or not, closes it at once, which is
+how the router tells a dead node from a slow one (router/node_registry.py).
 Everything the nodes send (token batches, failures, stats, heartbeats) arrives on one PULL
 socket bound at the router's listen address (zmq.asyncio); `receive()` hands over its raw
 frames, and the node client decodes them.
@@ -21,6 +24,7 @@ import logging
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.router.node_registry import NodeState
 from pdserve.wire.cluster_auth import ClusterAuth
@@ -29,6 +33,7 @@ from pdserve.wire.messages import Abort, Generate, encode
 logger = logging.getLogger(__name__)
 
 SEND_HIGH_WATER_MARK = 100_000
+CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 class NodeLinks:
@@ -38,6 +43,7 @@ class NodeLinks:
         self._sync_context: zmq.Context | None = None
         self._async_context: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
+        self._monitors: dict[int, tuple[NodeState, zmq.Socket]] = {}  # by id(node)
 
     def open(self, nodes: list[NodeState]) -> None:
         """Binds the PULL socket and connects a PUSH socket to each of `nodes`."""
@@ -56,9 +62,25 @@ class NodeLinks:
         node.socket = self.cluster_auth.secure_client(self._sync_context.socket(zmq.PUSH))
         node.socket.setsockopt(zmq.LINGER, 0)
         node.socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+        self._monitors[id(node)] = (node, node.socket.get_monitor_socket(CONNECTION_EVENTS))
         node.socket.connect(node.address)
 
+    def connection_changes(self) -> list[tuple[NodeState, bool]]:
+        """(node, connected) for each connection to a node that opened or closed since the last
+        call, in the order they happened; never blocks."""
+        changes = []
+        for node, monitor in self._monitors.values():
+            while monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                changes.append((node, event == zmq.EVENT_CONNECTED))
+        return changes
+
     def close(self, nodes: list[NodeState]) -> None:
+        for node, monitor in self._monitors.values():
+            if node.socket is not None:
+                node.socket.disable_monitor()
+            monitor.close(linger=0)
+        self._monitors.clear()
         for node in nodes:
             if node.socket is not None:
                 node.socket.close(linger=0)

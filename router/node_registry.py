@@ -7,17 +7,27 @@ seen (a node started on another host joins this way). A heartbeat with a new `in
 under a known node id is a restarted node: `on_restart(node)` lets the caller drop what it had
 sent the previous process. Its role (colocated, prefill, decode) comes from its stats.
 
-Liveness: a node is alive while its NodeStats or its Heartbeats (sent from a thread of their
-own every 0.5 s by default, during long engine steps too) keep arriving within
-`node_timeout_s` (`python -m pdserve.router`: 1 s, two missed heartbeats); a Heartbeat counts only
-from
-the process whose NodeStats were seen. `sweep()` notes each change of liveness (one log line
-each); the watchdog calls it on time and skips a round that itself ran late
-(router/node_client.py). `live()`, which routing and /health read between sweeps, counts a
-node heard within `node_timeout_s` or up at the last sweep: heartbeats that sat unread while
-the router's own event loop was blocked (a busy machine, a burst of requests) never make a
-healthy node look dead to the request routed in that moment, and a node that did die leaves
-`live()` at the first sweep after its timeout (one watchdog round later at most).
+Liveness: slow is not dead. A node is down when its process is gone or when it has made no
+progress for `node_timeout_s` (default 30 s), never because one heartbeat came late:
+  - process gone: the router's connection to the node closed (`connection_changed`, from the
+    socket monitor of router/node_links.py). A process that exits, however it dies, closes it
+    at once, so a killed node is down within one watchdog round, whatever the timeout;
+  - no progress: neither NodeStats nor Heartbeats (sent from a thread of their own every 0.5 s
+    by default, during long engine steps too) arrived for `node_timeout_s`. The node stops its
+    own heartbeats when its loop makes no progress for its stall limit (node/heartbeat.py), so
+    a wedged step ends here too. A Heartbeat counts only from the process whose NodeStats were
+    seen. 30 s: on a 2-core host kept at load 4-7 by other work, heartbeats due every 0.5 s
+    arrived up to 1.25 s apart, and a node process paused for seconds (throttled, swapped)
+    must not fail the streams it serves; a process that is really gone is caught by its
+    connection long before.
+`sweep()` notes each change of liveness (one log line each); the watchdog calls it on time and
+skips a round that itself ran late (router/node_client.py): after a stall of the router's own
+event loop, the heartbeats that queued meanwhile are read first (the socket takes one message
+from each node in turn), so the router's stall is never blamed on its nodes.
+`live()`, which routing and /health read between sweeps, counts a node whose connection is open
+and that was heard within `node_timeout_s` or up at the last sweep: heartbeats that sat unread
+while the router's own event loop was blocked (a busy machine, a burst of requests) never make
+a healthy node look dead to the request routed in that moment.
 
 Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
 block size); a node that differs in any of them is refused, with a message naming both values,
@@ -51,6 +61,7 @@ class NodeState:
     socket: Any = None
     refused: str | None = None
     up: bool = False  # liveness as of the last sweep()
+    connection_lost: bool = False  # the router's connection to it closed and has not reopened
     promised_blocks: int = 0  # prompt blocks of requests sent since its last NodeStats
 
     @property
@@ -58,7 +69,12 @@ class NodeState:
         return self.stats.role if self.stats is not None else None
 
     def alive(self, now: float, timeout_s: float) -> bool:
-        return self.stats is not None and self.refused is None and now - self.last_seen <= timeout_s
+        return (
+            self.stats is not None
+            and self.refused is None
+            and not self.connection_lost
+            and now - self.last_seen <= timeout_s
+        )
 
 
 def parse_node_spec(spec: str) -> tuple[str | None, str]:
@@ -94,8 +110,22 @@ class NodeRegistry:
         return [
             n
             for n in self.nodes
-            if (n.up or n.alive(now, self.node_timeout_s)) and (role is None or n.role == role)
+            if (n.up or n.alive(now, self.node_timeout_s))
+            and not n.connection_lost
+            and (role is None or n.role == role)
         ]
+
+    def connection_changed(self, node: NodeState, connected: bool) -> None:
+        """The router's connection to `node` opened or closed (its process exited)."""
+        if node.connection_lost == (not connected):
+            return
+        node.connection_lost = not connected
+        if node.stats is not None:
+            logger.log(
+                logging.INFO if connected else logging.WARNING,
+                "node %s (%s): its connection %s", node.node_id, node.role,
+                "is open again" if connected else "closed (its process exited)",
+            )
 
     def record(self, stats: NodeStats) -> NodeState | None:
         """Stores a node's heartbeat; registers a node that joins with its listen address."""
@@ -134,6 +164,8 @@ class NodeRegistry:
             changed.append(node)
             if alive:
                 logger.info("node %s (%s) is up", node.node_id, node.role)
+            elif node.connection_lost:
+                logger.warning("node %s (%s) is down: its process exited", node.node_id, node.role)
             else:
                 silence = now - node.last_seen
                 logger.warning(

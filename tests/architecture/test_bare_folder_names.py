@@ -66,7 +66,7 @@ def launcher_plans() -> dict[str, tuple[list[str], dict[str, str]]]:
             plans[node.argv[-1]] = (node.argv, node.env)
     router = plan_router(
         args, ServedModel(Path("/models/tiny"), ("tiny",)), "tcp://127.0.0.1:26992",
-        ["node-0=tcp://127.0.0.1:26991"], "s" * 32, 0.5,
+        ["node-0=tcp://127.0.0.1:26991"], "s" * 32,
     )
     plans[router.argv[-1]] = (router.argv, router.env)
     return plans

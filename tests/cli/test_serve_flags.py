@@ -42,13 +42,12 @@ def child_configs(plan):
     return configs(parser.parse_args(node_argv), plan.env)
 
 
-def planned_router(args, served: ServedModel | None = None, heartbeat_interval: float = 0.5):
+def planned_router(args, served: ServedModel | None = None):
     """(RouterPlan, (RouterConfig, LogSettings)): the router the launcher plans, and what that
     process builds from its argv and environment alone (nothing of this process's)."""
     served = served or ServedModel(Path("/m/x"), ("x",))
     plan = plan_router(
         args, served, "tcp://127.0.0.1:26992", ["node-0=tcp://127.0.0.1:26991"], "s" * 32,
-        heartbeat_interval,
     )
     assert plan.argv == python_module_command("pdserve.router")
     return plan, parse_router_args([], environ=plan.env)
@@ -161,11 +160,11 @@ def test_the_router_gets_its_settings_as_data_and_its_secrets_in_its_environment
     assert API_KEY_ENV not in plan.env
 
 
-def test_the_node_timeout_is_two_heartbeat_intervals_unless_given():
-    assert planned_router(serve_args([]))[1][0].node_timeout_s == 1.0
-    assert planned_router(serve_args([]), heartbeat_interval=0.25)[1][0].node_timeout_s == 0.5
+def test_the_node_timeout_holds_on_a_loaded_host_unless_given():
+    """30 s of silence, not two missed heartbeats: a dead node is caught by its connection."""
+    assert planned_router(serve_args([]))[1][0].node_timeout_s == 30.0
     given = serve_args(["--node-timeout", "3"])
-    assert planned_router(given, heartbeat_interval=0.25)[1][0].node_timeout_s == 3.0
+    assert planned_router(given)[1][0].node_timeout_s == 3.0
 
 
 def test_log_format_reaches_every_node():

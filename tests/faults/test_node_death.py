@@ -2,7 +2,7 @@
 KV over shared memory, prefill in 32-token chunks so it is still running when the kill lands).
 
 - A prefill node dies while most prompts are still being prefilled (2 prefill + 1 decode):
-  the router calls it dead within two heartbeats; every request that had no token yet is
+  the router calls it dead at once (its connection closes); every request with no token yet is
   retried on the other prefill node and completes with the same text as a run without the
   failure; the launcher restarts the node, which rejoins and serves while the router and the
   other nodes keep their processes; the decode node gives back every block it had reserved.
@@ -49,7 +49,7 @@ FLAGS = [
     "--heartbeat-interval", str(HEARTBEAT_S),
     "--dtype", "float32",  # texts compared across retries on other nodes: no bf16 near-ties
 ]
-# Two heartbeats, one watchdog round, scraping and a loaded machine's scheduling.
+# The connection closing, one watchdog round, scraping and a loaded machine's scheduling.
 DEAD_WITHIN_S = 2 * HEARTBEAT_S + 2.0
 
 

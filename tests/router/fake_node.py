@@ -22,7 +22,7 @@ def node_stats(max_model_len: int = 256, block_size: int = 0, blocks: int = 64) 
 
 
 def make_app(tokenizer, tmp_path, stats: NodeStats | None = None):
-    # One NodeStats and no heartbeats: a node timeout longer than the default 1 s.
+    # One NodeStats and no heartbeats: a node timeout that holds for the whole test.
     config = unlooped.unlooped_router_config(Path("unused"), MODEL, node_timeout_s=30.0)
     app = create_app(config, tokenizer=tokenizer)
     if stats is not None:

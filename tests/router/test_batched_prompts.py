@@ -56,7 +56,7 @@ def app(tiny_llama_dir):
     config = unlooped_router_config(
         tiny_llama_dir,
         MODEL,
-        node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
+        node_timeout_s=30.0,  # one NodeStats and no heartbeats: the timeout must hold
         max_choices=6,
     )
     return create_app(config)

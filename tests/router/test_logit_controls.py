@@ -23,7 +23,7 @@ def live(tiny_llama_dir):
     config = unlooped_router_config(
         tiny_llama_dir,
         MODEL,
-        node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
+        node_timeout_s=30.0,  # one NodeStats and no heartbeats: the timeout must hold
     )
     app = create_app(config)
     app.state.router.client.record_stats(node_stats(vocab_size=VOCAB))

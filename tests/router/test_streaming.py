@@ -96,7 +96,7 @@ def run_with_node(tmp_path, tokenizer, scenario):
         served_model_name=MODEL,
         node_addresses=[node_addr],
         listen_address=router_addr,
-        node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
+        node_timeout_s=30.0,  # one NodeStats and no heartbeats: the timeout must hold
     )
     app = create_app(config, tokenizer=tokenizer)
 
@@ -228,7 +228,7 @@ def _run_generation_scenario(tmp_path, tokenizer, body, delay=0.005):
         served_model_name=MODEL,
         node_addresses=[node_addr],
         listen_address=router_addr,
-        node_timeout_s=30.0,  # one NodeStats and no heartbeats: longer than the default 1 s
+        node_timeout_s=30.0,  # one NodeStats and no heartbeats: the timeout must hold
     )
     state = create_app(config, tokenizer=tokenizer).state.router
 
