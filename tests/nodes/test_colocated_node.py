@@ -109,7 +109,7 @@ def node(tiny_llama_dir, tmp_path_factory):
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128 --dtype float32".split()
         + ["--heartbeat-interval", "0.2"],
         cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,
         stderr=log,
     )

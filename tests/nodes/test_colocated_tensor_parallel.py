@@ -37,7 +37,7 @@ def test_a_two_rank_colocated_node_serves_the_one_rank_tokens_and_stops_its_work
              "--num-kv-blocks", "64", "--dtype", "float32", "--tensor-parallel-size", "2",
              "--num-threads", "2", "--heartbeat-interval", "0.2"],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=os.environ,
             stdout=subprocess.DEVNULL,
             stderr=log,
         )
