@@ -1,17 +1,22 @@
 """Reads a request body as a JSON object: 413 over the size limit, 400 for invalid UTF-8,
-malformed JSON (NaN and Infinity included) or anything but an object. A client that goes away
-while sending it (or is cut off by the server's deadline for a body, router/__main__.py)
-raises `ClientDisconnected`."""
+malformed JSON (NaN and Infinity included), anything but an object, or a string anywhere in it
+(a value or a key, at any depth) holding an unpaired UTF-16 surrogate ("\\ud800" is valid JSON
+but no Unicode text: no tokenizer, grammar compiler or msgpack encoder takes it), the 400
+naming where. A client that goes away while sending it (or is cut off by the server's deadline
+for a body, router/__main__.py) raises `ClientDisconnected`."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from pdserve.router.errors import APIError, ClientDisconnected, invalid
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -43,4 +48,32 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         raise invalid("The request body is not valid JSON.") from None
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object.")
+    check_unicode(data)
     return data
+
+
+def check_unicode(body: dict[str, Any]) -> None:
+    """400 naming the first string of `body` (value or key) with an unpaired surrogate."""
+    pending: list[tuple[str, Any]] = [("", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            surrogate = _SURROGATE.search(value)
+            if surrogate is not None:
+                raise invalid(
+                    f"'{path}' is not valid Unicode text: it holds an unpaired UTF-16 surrogate "
+                    f"at character {surrogate.start():,}.",
+                    path,
+                )
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                where = f"{path}.{key}" if path else key
+                if _SURROGATE.search(key) is not None:
+                    raise invalid(
+                        f"A key of '{path or 'the request body'}' is not valid Unicode text: "
+                        "it holds an unpaired UTF-16 surrogate.",
+                        path or None,
+                    )
+                pending.append((where, item))
+        elif isinstance(value, list):
+            pending += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]

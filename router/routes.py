@@ -79,7 +79,7 @@ def _model_card(state: RouterState) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "pdserve",
-        "root": str(state.config.model_path),
+        "root": state.config.model_name,  # never the folder: the host's paths stay private
         "parent": None,
     }
     if node is not None:

@@ -25,7 +25,7 @@ from pdserve.router.errors import invalid
 from pdserve.router.routes import parse_request
 from pdserve.router.schemas import DetokenizeRequest, TokenizeRequest
 from pdserve.router.state import RouterState
-from pdserve.router.validation import chat_prompt, check_model, check_unicode
+from pdserve.router.validation import chat_prompt, check_model
 
 
 async def tokenize(request: Request) -> dict[str, Any]:
@@ -58,11 +58,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
 def _tokenize(req: TokenizeRequest, tokenizer: Any) -> tuple[list[int], list[str] | None]:
     """The token ids (and their strings when asked); 400 for text no tokenizer encodes."""
     if req.prompt is None:
-        for index, message in enumerate(req.messages):
-            check_unicode(message.text(), f"messages[{index}].content")
         tokens = chat_prompt(req, tokenizer)
     else:
-        check_unicode(req.prompt, "prompt")
         try:
             tokens = list(
                 tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)

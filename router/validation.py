@@ -14,7 +14,6 @@ strings are bounded in length. The nodes check all of it again (engine.sampling_
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,6 @@ from pdserve.wire.limits import (
 SEED_LIMIT = 1 << 63
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRING_CHARS = 1024
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 Limits = Callable[[], "tuple[int, int]"]
 CheckChars = Callable[[int, Limits, str], None]  # (characters, limits, param): RouterState's
@@ -145,18 +143,6 @@ def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
             f"'min_tokens' must not exceed the completion's limit of {max_tokens:,} tokens "
             "('max_tokens', or the room the prompt leaves in the context).",
             "min_tokens",
-        )
-
-
-def check_unicode(text: str, param: str) -> None:
-    """JSON can carry an unpaired UTF-16 surrogate ("\\ud800"), which is no Unicode text:
-    no tokenizer encodes it."""
-    surrogate = _SURROGATE.search(text)
-    if surrogate is not None:
-        raise invalid(
-            f"'{param}' is not valid Unicode text: it holds an unpaired UTF-16 surrogate at "
-            f"character {surrogate.start():,}.",
-            param,
         )
 
 
@@ -313,10 +299,8 @@ def plan_completion(
     prompts = split_prompts(req.prompt)
     check_num_choices(len(prompts), req.n, config.max_choices)
     for prompt in prompts:
-        if prompt.text is not None:
-            if not prompt.text:
-                raise invalid(f"'{prompt.param}' must not be empty.", prompt.param)
-            check_unicode(prompt.text, prompt.param)
+        if prompt.text is not None and not prompt.text:
+            raise invalid(f"'{prompt.param}' must not be empty.", prompt.param)
     max_model_len, vocab_size = limits()
     all_ids, all_samplings, echo_prompts = [], [], []
     for prompt in prompts:
@@ -369,8 +353,6 @@ def plan_chat(
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    for index, message in enumerate(req.messages):
-        check_unicode(message.text(), f"messages[{index}].content")
     max_model_len, vocab_size = limits()
     ids = chat_prompt(req, tokenizer, tools)
     check_prompt_ids(ids, vocab_size, "messages")

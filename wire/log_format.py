@@ -3,7 +3,7 @@ and in the router `--uvicorn-log-level`), applied once by `python -m pdserve.rou
 node
 (node/cli.py) to the root logger.
 
-Text: `TIME LEVEL LOGGER: MESSAGE`. JSON: one object per line with `ts` (ISO 8601, UTC),
+Text: `TIME LEVEL LOGGER: MESSAGE`, control characters in the message escaped. JSON: one object per line with `ts` (ISO 8601, UTC),
 `level`, `logger` and `message`, plus the fields a record carries in `fields` (the access line
 and the stats line put theirs there: router/access_log.py, router/stats_log.py) and
 `exception` when there is a traceback. uvicorn's own loggers propagate to the same handler, at
@@ -24,6 +24,20 @@ from pdserve.wire.config_flags import option
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class TextFormatter(logging.Formatter):
+    """`TIME LEVEL LOGGER: MESSAGE`, one line per record: control characters in the message
+    (a newline inside a client's string, say) are written as escapes, so no text a client sends
+    can start a forged line. A traceback still follows on lines of its own."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_CONTROL_ESCAPES)
+        return super().formatMessage(record)
+
+
+# C0 controls and DEL, written as Python writes them in a repr: "\n", "\x1b", ...
+_CONTROL_ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(0x20), 0x7F)}
 
 
 class JSONFormatter(logging.Formatter):
@@ -76,7 +90,7 @@ class LogSettings:
             )
 
     def formatter(self) -> logging.Formatter:
-        return JSONFormatter() if self.log_format == "json" else logging.Formatter(TEXT_FORMAT)
+        return JSONFormatter() if self.log_format == "json" else TextFormatter(TEXT_FORMAT)
 
     def apply(self) -> None:
         """Sets the root logger up: one stderr handler with this format, at `level`."""

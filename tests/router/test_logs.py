@@ -144,6 +144,25 @@ def test_json_lines_keep_a_traceback_and_escape_newlines():
     assert line["message"] == "failed: a\nb" and "ValueError" in line["exception"]
 
 
+def test_text_lines_escape_control_characters_a_client_may_send():
+    """A client's string in a message (a grammar error names the spec) starts no forged line."""
+    try:
+        raise ValueError("bad")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord(
+            "x", logging.WARNING, __file__, 1, "spec %s refused",
+            ('{"type": "nonsense\n2026-01-01 00:00:00 INFO forged: line\r\x1b[2K"}',),
+            sys.exc_info(),
+        )
+    message_line, *traceback_lines = LogSettings().formatter().format(record).split("\n")
+    assert message_line.endswith(
+        'spec {"type": "nonsense\\n2026-01-01 00:00:00 INFO forged: line\\r\\x1b[2K"} refused'
+    )
+    assert traceback_lines[0] == "Traceback (most recent call last):"  # still readable
+
+
 def test_router_flags_use_vllm_spellings():
     base = ["--model", "m", "--node", "tcp://127.0.0.1:1", "--listen", "tcp://127.0.0.1:2"]
     config, log = parse_args(base)

@@ -6,6 +6,7 @@ injection); nothing is mocked and no socket is opened (the lifespan does not run
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -78,9 +79,11 @@ def test_valid_requests_without_node_get_503(client):
     assert_error(r, 503)
 
 
-def test_models_lists_served_name(client):
+def test_models_lists_served_name_and_no_path_of_the_host(app, client):
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and data["data"][0]["id"] == MODEL
+    assert data["data"][0]["root"] == MODEL
+    assert str(app.state.router.config.model_path) not in json.dumps(data)
 
 
 COMPLETION_CASES = [
@@ -233,3 +236,34 @@ def test_right_api_key_passes_and_health_needs_none(keyed_app):
     assert r.status_code == 200
     assert client.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     assert client.get("/health").status_code == 503  # no node, but no 401 either
+
+
+LONE_SURROGATE_FIELDS = [
+    ("/v1/completions", {"prompt": "ok \ud800"}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a\ud800"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", "\udfff"]}, "guided_choice[1]"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "start: \"\ud800\""}, "guided_grammar"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, "stop[0]"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+         "type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "type": "object", "properties": {"a": {"enum": ["\ud800"]}}}}}},
+     "response_format.json_schema.schema.properties.a.enum[0]"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+         "type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "type": "object", "properties": {"\ud800": {"type": "string"}}}}}},
+     "response_format.json_schema.schema.properties"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "param"), LONE_SURROGATE_FIELDS)
+def test_a_lone_surrogate_anywhere_in_a_body_is_400_naming_where(live, route, fields, param):
+    """JSON may escape one ("\\ud800"); no tokenizer, grammar or msgpack encoder takes it."""
+    body = json.dumps({"model": MODEL, "max_tokens": 2, **fields})  # escapes it as \ud800
+    response = live.post(route, content=body, headers={"content-type": "application/json"})
+    assert_error(response, 400, param)
