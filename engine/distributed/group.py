@@ -16,6 +16,7 @@ an idle engine never waits on one.
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
@@ -29,14 +30,26 @@ class RankFailure(RuntimeError):
 
 
 def open_store(size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0's store on a free port of 127.0.0.1 (`store.port`); the others connect to it."""
+    """Rank 0's store on a free port of 127.0.0.1 (`store.port`); the others connect to it.
+
+    The listening socket is bound here, to loopback alone, and handed to the store: given a
+    port, TCPStore's server would listen on every interface of the host."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((STORE_HOST, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
     return dist.TCPStore(
         STORE_HOST,
-        0,
+        port,
         size,
         True,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listener.detach(),
     )
 
 
