@@ -140,6 +140,13 @@ class RouterConfig:
         help=f"shared with every node (default: ${SECRET_ENV}); needed when --listen or a "
         "--node address is not a loopback one",
     )
+    # A request's `priority` (lower is served first) reorders everyone else's: a right the
+    # operator gives to the clients of this server, not one any client takes.
+    allow_client_priority: bool = option(
+        False, flag="--allow-client-priority", switch=True,
+        help="let requests set `priority` (lower is served first); without it a request "
+        "with a priority other than 0 is refused with 400",
+    )
     # Logs: one INFO line per request (router/access_log.py), and every
     # `stats_log_interval_s` one per node that had traffic (router/stats_log.py).
     log_requests: bool = option(

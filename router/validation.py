@@ -112,6 +112,12 @@ def check_common(
         )
     if not 1 <= req.n <= config.max_n:
         raise invalid(f"'n' must be between 1 and {config.max_n}.", "n")
+    if req.priority != 0 and not config.allow_client_priority:
+        raise invalid(
+            "'priority' is not allowed on this server: its operator lets clients set it with "
+            "--allow-client-priority.",
+            "priority",
+        )
     if not 0 <= req.min_tokens <= INT32_MAX:
         raise invalid(f"'min_tokens' must be between 0 and {INT32_MAX:,}.", "min_tokens")
     if max_tokens is not None and req.min_tokens > max_tokens:

@@ -70,6 +70,7 @@ ROUTER_CASES = {
     "max_stream_buffer_tokens": (["--max-stream-buffer-tokens", "77"], 77),
     "node_timeout_s": (["--node-timeout", "3"], 3.0),
     "drain_timeout_s": (["--drain-timeout", "5"], 5.0),
+    "allow_client_priority": (["--allow-client-priority"], True),
     "log_requests": (["--disable-log-requests"], False),
     "log_stats": (["--disable-log-stats"], False),
 }

@@ -18,7 +18,8 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # tiny llama: layers x (k, v) x kv heads 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     running = Server(
-        tiny_llama_dir, "--kv-cache-memory", str(20 * BLOCK_BYTES), "--preemption-mode", "swap"
+        tiny_llama_dir, "--kv-cache-memory", str(20 * BLOCK_BYTES), "--preemption-mode", "swap",
+        "--allow-client-priority",
     )
     try:
         yield running

@@ -14,6 +14,8 @@ from starlette.testclient import TestClient
 
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.schemas import CompletionRequest
+from pdserve.router.validation import plan_completion
 from tests.router.unlooped import node_stats, unlooped_router_config
 
 MODEL = "tiny"
@@ -267,3 +269,19 @@ def test_a_lone_surrogate_anywhere_in_a_body_is_400_naming_where(live, route, fi
     body = json.dumps({"model": MODEL, "max_tokens": 2, **fields})  # escapes it as \ud800
     response = live.post(route, content=body, headers={"content-type": "application/json"})
     assert_error(response, 400, param)
+
+
+def test_priority_is_the_operators_to_give(tiny_llama_dir, app, live):
+    """Without --allow-client-priority a priority other than 0 is refused by name; with it the
+    request goes through."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    assert_error(live.post("/v1/completions", json={**body, "priority": -5}), 400, "priority")
+    assert_error(live.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "priority": 1,
+    }), 400, "priority")
+    allowed = unlooped_router_config(
+        tiny_llama_dir, MODEL, node_timeout_s=30.0, allow_client_priority=True
+    )
+    request = CompletionRequest.model_validate({**body, "priority": -5})
+    plan = plan_completion(request, allowed, app.state.router.tokenizer, lambda: (64, 512))
+    assert plan.priority == -5
