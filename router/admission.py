@@ -12,10 +12,15 @@ Two checks, both answered 429 with an OpenAI error body and `Retry-After`:
                 exceeds the token bound is admitted only into an empty queue. `admit_batch`
                 does the same for sub-requests of different prompts (a batch of prompts).
 Each admitted sub-request leaves the queue once (`leave`) at its first token, its end or its
-abort, whichever comes first. The bounds are read from the config at every check.
+abort, whichever comes first. `/tokenize` and `/detokenize` pass the same checks and hold one
+place while their tokenizer job runs (`holding`), so they cannot flood the tokenizer threads
+past the bounds generation requests keep. The bounds are read from the config at every check.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -69,6 +74,15 @@ class AdmissionQueue:
         self.num_requests += num_requests
         self.num_tokens += tokens
         self._publish()
+
+    @contextlib.contextmanager
+    def holding(self, num_prompt_tokens: int = 0) -> Iterator[None]:
+        """One place in the queue for the duration of the block (429 when there is none)."""
+        self.admit(1, num_prompt_tokens)
+        try:
+            yield
+        finally:
+            self.leave(num_prompt_tokens)
 
     def leave(self, num_prompt_tokens: int) -> None:
         self.num_requests -= 1

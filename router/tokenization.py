@@ -10,8 +10,9 @@ implement and unknown fields (router/unsupported.py; e.g. `add_generation_prompt
 is refused: the chat template always ends with the assistant's turn header), the prompt's
 characters against the context (400, before tokenizing), token ids within the tokenizer's
 vocabulary (400 naming `tokens`). Tokenizing and decoding run in the app's worker threads,
-never on the event loop. `/tokenize` needs a live node for `max_model_len` (503 otherwise);
-`/detokenize` needs none.
+never on the event loop, each holding one place in the router's admission queue meanwhile
+(429 first, before the body is read, when the queue is full: router/admission.py).
+`/tokenize` needs a live node for `max_model_len` (503 otherwise); `/detokenize` needs none.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pdserve.router.validation import chat_prompt, check_model
 
 async def tokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
+    state.admission.check_room()
     data = await read_json_object(request, state.config.max_body_bytes)
     req = parse_request(state, TokenizeRequest, data, "/tokenize")
     check_model(req.model, state.config.model_names)
@@ -48,7 +50,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
     else:
         num_chars = sum(len(message.text()) for message in req.messages)
         state.check_prompt_chars(num_chars, limits, "messages")
-    tokens, token_strs = await state.tokenizer_threads.run(_tokenize, req, state.tokenizer)
+    with state.admission.holding():
+        tokens, token_strs = await state.tokenizer_threads.run(_tokenize, req, state.tokenizer)
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
     if token_strs is not None:
         out["token_strs"] = token_strs
@@ -75,11 +78,13 @@ def _tokenize(req: TokenizeRequest, tokenizer: Any) -> tuple[list[int], list[str
 
 async def detokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
+    state.admission.check_room()
     data = await read_json_object(request, state.config.max_body_bytes)
     req = parse_request(state, DetokenizeRequest, data, "/detokenize")
     check_model(req.model, state.config.model_names)
     vocab_size = len(state.tokenizer)
     if any(not 0 <= t < vocab_size for t in req.tokens):
         raise invalid(f"token ids in 'tokens' must be in [0, {vocab_size}).", "tokens")
-    text = await state.tokenizer_threads.run(state.tokenizer.decode, req.tokens)
+    with state.admission.holding():
+        text = await state.tokenizer_threads.run(state.tokenizer.decode, req.tokens)
     return {"prompt": text}

@@ -135,3 +135,30 @@ def test_tokenize_without_a_live_node_is_503(client):
 
 def test_unknown_tokenize_fields_are_accepted(live):
     assert live.post("/tokenize", json={"prompt": TEXT, "frobnicate": 1}).status_code == 200
+
+
+def test_tokenize_and_detokenize_go_through_admission(app, live):
+    """Refused with 429 while the router's queue is full, like the generation routes; one
+    place taken while the tokenizer job runs, given back after."""
+    admission = app.state.router.admission
+    full = app.state.router.config.max_queued_requests
+    admission.num_requests = full
+    try:
+        assert_error(live.post("/tokenize", json={"model": MODEL, "prompt": TEXT}), 429)
+        assert_error(live.post("/detokenize", json={"model": MODEL, "tokens": [5, 6]}), 429)
+    finally:
+        admission.num_requests = 0
+    held = []
+    real_run = app.state.router.tokenizer_threads.run
+
+    async def watching_run(*args):
+        held.append(admission.num_requests)
+        return await real_run(*args)
+
+    app.state.router.tokenizer_threads.run = watching_run
+    try:
+        assert live.post("/tokenize", json={"model": MODEL, "prompt": TEXT}).status_code == 200
+        assert live.post("/detokenize", json={"model": MODEL, "tokens": [5]}).status_code == 200
+    finally:
+        del app.state.router.tokenizer_threads.run
+    assert held == [1, 1] and admission.num_requests == 0
