@@ -155,6 +155,23 @@ async def stream_completion(
     return result
 
 
+async def start_streams(
+    http: httpx.AsyncClient, bodies: list[dict], ready, what: str, timeout: float = 60.0
+) -> tuple[list[StreamResult], list[asyncio.Task]]:
+    """Starts one streaming completion per body; returns their results (filling in as they
+    stream) and tasks once `ready(results)` holds."""
+    results = [StreamResult() for _ in bodies]
+    tasks = [
+        asyncio.create_task(stream_completion(http, body, result))
+        for body, result in zip(bodies, results)
+    ]
+    deadline = time.monotonic() + timeout
+    while not ready(results):
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        await asyncio.sleep(0.005)
+    return results, tasks
+
+
 def completion_texts(url: str, bodies: list[dict]) -> list[str]:
     """Non-streaming completions, all at once; every one must succeed."""
 

@@ -27,7 +27,6 @@ import httpx
 
 from pdserve.commands.serve_process import ServeProcess
 from tests.fault_checks import (
-    StreamResult,
     assert_no_leaked_blocks,
     completion_texts,
     kill9,
@@ -36,7 +35,7 @@ from tests.fault_checks import (
     metric,
     node_pids,
     parse_metric,
-    stream_completion,
+    start_streams,
     wait_until,
 )
 
@@ -78,16 +77,8 @@ def wait_for_nodes(server: ServeProcess, count: int) -> None:
 async def _streams_with_kill(url, requests, pid, kill_when, watch_node):
     """Runs the streams; kills `pid` once `kill_when(results)`; returns the results, the kill
     time and the seconds until the router reported `watch_node` down."""
-    results = [StreamResult() for _ in requests]
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(90)) as http:
-        tasks = [
-            asyncio.create_task(stream_completion(http, body, result))
-            for body, result in zip(requests, results)
-        ]
-        deadline = time.monotonic() + 60
-        while not kill_when(results):
-            assert time.monotonic() < deadline, "the streams never reached the kill point"
-            await asyncio.sleep(0.005)
+        results, tasks = await start_streams(http, requests, kill_when, "the kill point")
         killed_at = kill9(pid)
         while parse_metric((await http.get("/metrics")).text, "pdserve_node_up")[watch_node]:
             assert time.monotonic() - killed_at < 30, "the router never noticed the death"

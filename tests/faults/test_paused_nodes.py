@@ -13,19 +13,17 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import httpx
 
 from pdserve.commands.serve_process import ServeProcess
 from tests.fault_checks import (
-    StreamResult,
     assert_no_leaked_blocks,
     completion_texts,
     live_nodes,
     metric,
     node_pids,
-    stream_completion,
+    start_streams,
     wait_until,
 )
 
@@ -51,16 +49,11 @@ def bodies(model: str, count: int) -> list[dict]:
 
 
 async def streams_with_a_pause(url: str, requests: list[dict], pids: list[int]):
-    results = [StreamResult() for _ in requests]
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as http:
-        tasks = [
-            asyncio.create_task(stream_completion(http, body, result))
-            for body, result in zip(requests, results)
-        ]
-        deadline = time.monotonic() + 60
-        while sum(len(r.token_times) >= 3 for r in results) < 2:
-            assert time.monotonic() < deadline, "the streams never started"
-            await asyncio.sleep(0.005)
+        results, tasks = await start_streams(
+            http, requests, lambda results: sum(len(r.token_times) >= 3 for r in results) >= 2,
+            "two streams with three tokens each",
+        )
         started_when_paused = sum(r.first_token_at is not None for r in results)
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
