@@ -189,6 +189,9 @@ def test_requests_sharing_a_system_prompt_go_to_the_prefill_node_that_cached_it(
     systems = [[rng.randrange(3, 500) for _ in range(64)] for _ in range(4)]
     server = Server(tiny_llama_dir, "--prefill", "2", "--decode", "1")
     try:
+        # Ready means one node of each role; on a busy host the second prefill node may join
+        # after the whole workload ran on the first.
+        wait_until(lambda: len(live_nodes(server.url)) == 3, 120, "3 live nodes")
         with httpx.Client(base_url=server.url, timeout=60) as http:
             name = http.get("/v1/models").json()["data"][0]["id"]
             for _ in range(5):
