@@ -66,14 +66,14 @@ def check_unicode(body: dict[str, Any]) -> None:
                     path,
                 )
         elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                where = f"{path}.{key}" if path else key
-                if _SURROGATE.search(key) is not None:
-                    raise invalid(
-                        f"A key of '{path or 'the request body'}' is not valid Unicode text: "
-                        "it holds an unpaired UTF-16 surrogate.",
-                        path or None,
-                    )
-                pending.append((where, item))
+            if any(_SURROGATE.search(key) for key in value):
+                raise invalid(
+                    f"A key of '{path or 'the request body'}' is not valid Unicode text: "
+                    "it holds an unpaired UTF-16 surrogate.",
+                    path or None,
+                )
+            pending += [
+                (f"{path}.{key}" if path else key, item) for key, item in reversed(value.items())
+            ]
         elif isinstance(value, list):
             pending += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]

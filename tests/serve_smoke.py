@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,15 +25,11 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.commands.launcher import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France? Answer in one sentence."
 EXPECTED = "Paris"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for(path: Path, text: str, server: subprocess.Popen, timeout_s: float) -> None:
