@@ -64,9 +64,11 @@ test-fast: install
 	$(PY) -P -m pytest -q -m "not processes and not slow and not default_model"
 
 # The fault and end-to-end tests while a busy-looping process occupies every core (started
-# before pytest, stopped after it whatever the outcome): they must hold on a loaded machine.
+# before pytest, stopped after it whatever the outcome): they must hold on a loaded machine,
+# with the default node timeout; the disaggregated == colocated comparison runs five rounds on
+# every transport.
 test-stress: install
-	$(PY) -P tests/cpu_hog.py -- $(PY) -P -m pytest -q tests/faults tests/e2e
+	PDSERVE_TEST_ROUNDS=5 $(PY) -P -m pdserve.bench.cpu_hog -- $(PY) -P -m pytest -q tests/faults tests/e2e
 
 # The fast tier and one `pdserve serve` request in an environment resolved to the newest versions
 # pip offers today (not the lock), after a list of what differs from the lock: CI runs it, so a

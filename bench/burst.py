@@ -4,10 +4,15 @@ script starts fresh, one after the other.
     python -m pdserve.bench.burst [--bursts 100,300,1000] [--deployments colocated,1p1d]
                           [--prompt-len 140] [--max-tokens 16] [--model DIR] [--timeout 300]
                           [--server-arg=--max-queued-requests=256 ...] [--out-dir DIR]
+                          [--loaded-host no|also|only]
 
 Each deployment is one `pdserve serve` (flags as bench/sweep.py names them), warmed up with two
 short requests, then given each burst in the order given, with a 2 s pause between them, and
-stopped before the next deployment starts. A burst is N distinct random token-id prompts
+stopped before the next deployment starts. With --loaded-host also, each deployment runs twice,
+idle and then on a loaded host, "1p1d (loaded host)": started afresh and warmed up as before,
+then given its bursts while one busy-looping process per usable core runs beside it at normal
+priority (bench/cpu_hog.py), started after the warm-up and stopped after the last burst, as on
+a GPU host whose CPUs are shared; --loaded-host only runs just that. A burst is N distinct random token-id prompts
 (bench/serve_datasets.py) streamed from /v1/completions with ignore_eos, all sent at once from
 one asyncio loop (uvloop when installed). Every request ends in exactly one outcome:
 
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.burst_report import markdown
 from pdserve.bench.burst_streams import StreamRecord, absorb_event, summarize
+from pdserve.bench.cpu_hog import busy_cores
 from pdserve.bench.server_processes import (
     sample_rss,
     sample_rss_every,
@@ -55,6 +61,8 @@ WARMUP_REQUESTS = 2
 SETTLE_S = 2.0
 SAMPLE_INTERVAL_S = 0.1
 STREAMS_PER_CLIENT = 20
+LOADED_HOST_RUNS = {"no": (False,), "also": (False, True), "only": (True,)}
+LOADED_LABEL = " (loaded host)"
 
 if TYPE_CHECKING:
     import httpx
@@ -191,28 +199,42 @@ def run_burst(
     return summary
 
 
+def run_label(name: str, loaded_host: bool) -> str:
+    return f"{name}{LOADED_LABEL}" if loaded_host else name
+
+
 def run_deployment(
     name: str,
     args: argparse.Namespace,
     prompts_by_burst: dict[int, list[list[int]]],
     vocab: list[int],
+    loaded_host: bool = False,
 ) -> dict:
+    """One fresh server of deployment `name`, warmed up, then every burst; with `loaded_host`,
+    the bursts run while every usable core is kept busy (started after the warm-up)."""
+    from pdserve.bench.machine import load_average
     from pdserve.bench.serve_datasets import warmup_requests
     from pdserve.bench.serve_load import discover_model
 
+    label = run_label(name, loaded_host)
     model_flags = ["--model", args.model] if args.model else []
     flags = [*model_flags, *DEPLOYMENTS[name], *args.server_arg]
-    say(f"{name}: pdserve serve {' '.join(flags)}")
+    say(f"{label}: pdserve serve {' '.join(flags)}")
     logs = None
     if args.server_logs:
         Path(args.server_logs).mkdir(parents=True, exist_ok=True)
-        logs = Path(args.server_logs) / f"burst-{name}.log"
-    deployment: dict = {"flags": flags, "bursts": {}}
+        logs = Path(args.server_logs) / f"burst-{name}{'-loaded' if loaded_host else ''}.log"
+    deployment: dict = {
+        "deployment": name,
+        "loaded_host": loaded_host,
+        "flags": flags,
+        "bursts": {},
+    }
     try:
         server = ServeProcess(flags, quiet=True, log_path=logs, port=args.port)
     except RuntimeError as error:
         deployment["error"] = f"the server did not start ({error})"
-        say(f"{name}: {deployment['error']}")
+        say(f"{label}: {deployment['error']}")
         return deployment
     try:
         model = discover_model(server.url)
@@ -221,19 +243,27 @@ def run_deployment(
             for r in warmup_requests(WARMUP_REQUESTS, vocab, args.seed)
         ]
         run_async(send_burst(server.url, warmup, args.timeout))
-        for index, (size, prompts) in enumerate(prompts_by_burst.items()):
-            if index:
-                time.sleep(SETTLE_S)
-            summary = run_burst(server, model, prompts, args)
-            deployment["bursts"][str(size)] = summary
-            say(
-                f"{name}, burst {size}: {summary['completed']} completed, {summary['refused']} "
-                f"refused, {summary['died']} died after a token, {summary['timed_out']} timed "
-                f"out, {summary['failed']} failed; drained in {summary['drain_s']:.1f} s"
-            )
-            if server.process.poll() is not None:
-                deployment["error"] = f"the server exited ({server.process.returncode})"
-                break
+        load = {"before bursts": load_average()}
+        deployment["load_average"] = load
+        with busy_cores() if loaded_host else contextlib.nullcontext([]) as hogs:
+            deployment["busy_processes"] = len(hogs)
+            if hogs:
+                say(f"{label}: {len(hogs)} busy-looping processes started")
+            for index, (size, prompts) in enumerate(prompts_by_burst.items()):
+                if index:
+                    time.sleep(SETTLE_S)
+                summary = run_burst(server, model, prompts, args)
+                deployment["bursts"][str(size)] = summary
+                say(
+                    f"{label}, burst {size}: {summary['completed']} completed, "
+                    f"{summary['refused']} refused, {summary['died']} died after a token, "
+                    f"{summary['timed_out']} timed out, {summary['failed']} failed; "
+                    f"drained in {summary['drain_s']:.1f} s"
+                )
+                if server.process.poll() is not None:
+                    deployment["error"] = f"the server exited ({server.process.returncode})"
+                    break
+            load["after bursts"] = load_average()
     finally:
         server.close()
     return deployment
@@ -270,6 +300,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-logs", default=None, help="folder for each server's output")
     parser.add_argument("--out-dir", default=str(RESULTS), help="where burst.md/.json go")
+    parser.add_argument(
+        "--loaded-host",
+        choices=list(LOADED_HOST_RUNS),
+        default="no",
+        help="also (or only) run each deployment's bursts with every usable core kept busy by "
+        "a busy-looping process per core, labelled '(loaded host)' (default: no)",
+    )
     args = parser.parse_args(argv)
     try:
         args.bursts = _positive_ints(args.bursts)
@@ -313,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     raise_open_file_limit(2 * max(args.bursts) + 1024)
     deployments = {
-        name: run_deployment(name, args, prompts_by_burst, vocab.ids) for name in args.deployments
+        run_label(name, loaded_host): run_deployment(
+            name, args, prompts_by_burst, vocab.ids, loaded_host
+        )
+        for name in args.deployments
+        for loaded_host in LOADED_HOST_RUNS[args.loaded_host]
     }
     machine["load average at end"] = load_average()
     setup = {
@@ -325,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "warm-up": f"{WARMUP_REQUESTS} short requests per server, {SETTLE_S:g} s between "
         "bursts; bursts in the order given, against the same server",
         "extra server flags": " ".join(args.server_arg) or "none",
+        "loaded host": {"no": "not run", "also": "each deployment idle, then loaded",
+                        "only": "loaded runs only"}[args.loaded_host],
     }
     result = json_safe(
         {

@@ -21,6 +21,34 @@ def _ratio(ours: float | None, base: float | None) -> str:
     return f"{ours / base:.2f}x" if _finite(ours) and _finite(base) and base else "n/a"
 
 
+def _loaded(run: dict) -> bool:
+    return bool(run.get("loaded_host"))
+
+
+def _same_load_base(name: str, deployments: dict) -> str | None:
+    """The run this one is compared with on the same host: colocated, else the first run."""
+    same_load = [
+        other
+        for other, run in deployments.items()
+        if run["bursts"] and _loaded(run) == _loaded(deployments[name])
+    ]
+    colocated = [o for o in same_load if deployments[o].get("deployment", o) == "colocated"]
+    base = (colocated or same_load or [None])[0]
+    return base if base != name else None
+
+
+def _idle_counterpart(name: str, deployments: dict) -> str | None:
+    run = deployments[name]
+    if not _loaded(run):
+        return None
+    idle = [
+        other
+        for other, o in deployments.items()
+        if o["bursts"] and not _loaded(o) and o.get("deployment", other) == run.get("deployment")
+    ]
+    return idle[0] if idle else None
+
+
 def outcome_table(deployments: dict) -> str:
     header = [
         "deployment",
@@ -84,15 +112,18 @@ def memory_table(deployments: dict) -> str:
 
 
 def ratio_table(deployments: dict) -> str | None:
+    """Each run against the colocated run on the same host (idle or loaded), then each loaded
+    run against the same deployment idle."""
     ran = [name for name, run in deployments.items() if run["bursts"]]
-    if len(ran) < 2:
-        return None
-    base_name = "colocated" if "colocated" in ran else ran[0]
-    base = deployments[base_name]["bursts"]
+    pairs = [(name, _same_load_base(name, deployments)) for name in ran]
+    pairs += [(name, _idle_counterpart(name, deployments)) for name in ran]
     rows = []
-    for name in ran:
+    for name, base_name in pairs:
+        if base_name is None:
+            continue
+        base = deployments[base_name]["bursts"]
         for size, s in deployments[name]["bursts"].items():
-            if name == base_name or size not in base:
+            if size not in base:
                 continue
             b = base[size]
             rss, base_rss = (
@@ -108,6 +139,8 @@ def ratio_table(deployments: dict) -> str | None:
                     _ratio(rss, base_rss),
                 ]
             )
+    if not rows:
+        return None
     header = ["ratio", "burst", "completed", "drain", "TTFT P99", "peak RSS, all processes"]
     return md_table(header, rows)
 
@@ -127,19 +160,53 @@ def not_completed_lines(deployments: dict) -> list[str]:
     return lines
 
 
+def _host(run: dict) -> str:
+    if not _loaded(run):
+        return "idle"
+    busy = run.get("busy_processes")
+    return f"loaded: {busy} busy-looping processes" if busy else "loaded"
+
+
+def server_table(deployments: dict) -> str:
+    rows = []
+    for name, run in deployments.items():
+        load = run.get("load_average", {})
+        rows.append(
+            [
+                name,
+                f"`pdserve serve {' '.join(run['flags'])}`",
+                _host(run),
+                f"{load.get('before bursts', '-')} / {load.get('after bursts', '-')}",
+            ]
+        )
+    header = ["deployment", "server", "host during the bursts", "load average before / after"]
+    return md_table(header, rows)
+
+
+def loaded_host_text(deployments: dict) -> str | None:
+    if not any(_loaded(run) for run in deployments.values()):
+        return None
+    return (
+        'Loaded host: a deployment labelled "(loaded host)" is started afresh and warmed up like '
+        "the idle one, then given the same bursts while one busy-looping Python process per "
+        "usable core of this machine runs beside it at normal priority (bench/cpu_hog.py), "
+        "started after the warm-up and stopped after the last burst: every core is shared, as "
+        "on a GPU host whose CPUs serve other work. The load average (1 min) is taken after the "
+        "warm-up, before the busy processes start, and after the last burst, before they stop."
+    )
+
+
 def markdown(result: dict) -> str:
     deployments = result["deployments"]
-    servers = [
-        [name, f"`pdserve serve {' '.join(run['flags'])}`"] for name, run in deployments.items()
-    ]
     setup = "; ".join(f"{key}: {value}" for key, value in result["setup"].items())
     died = sum(s["died"] for run in deployments.values() for s in run["bursts"].values())
     parts = [
         "# Burst: concurrent streaming completions sent at once",
         f"Command: `{result['command']}`",
         md_table(["machine", ""], [[key, str(value)] for key, value in result["machine"].items()]),
-        md_table(["deployment", "server"], servers),
+        server_table(deployments),
         f"Setup: {setup}.",
+        *filter(None, [loaded_host_text(deployments)]),
         "## Outcomes",
         (
             "Every request is counted once: completed + refused + died + timed out + failed = "

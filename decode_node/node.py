@@ -11,8 +11,10 @@ all set in `_enter`:
   TRANSFERRING        the receiver expects the blocks and the prefill node gets a
                       PrefillRequest naming them. The prompt may wait in the prefill node's
                       queue: the receiver allows `queue_timeout_s` for the first write, and the
-                      transfer itself then has `transfer_timeout_s` from that write (its clock
-                      runs from when prefilling started, not from the reservation).
+                      transfer itself then may go `transfer_timeout_s` without a write landing
+                      (its clock runs from when prefilling started, and again from each write,
+                      paced by how long the write's chunk took: judged by progress,
+                      kvtransfer/ledger.py).
   COMMITTED           every block of every layer arrived; waiting for PrefillDone (the first
                       token), which the prefill node sends right after its last chunk;
                       deadline: `transfer_timeout_s` after the commit. Never decodes from
@@ -293,6 +295,7 @@ class DecodeNode(NodeRuntime):
                     deadline_s=self.transfer_timeout_s,
                     priority=pending.message.priority,
                     choices=[c for c in pending.message.choices if c.request_id in wanted],
+                    group=pending.message.group,
                 ),
                 pending.message.prefill_address,
             )

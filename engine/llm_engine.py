@@ -133,23 +133,28 @@ class LLMEngine:
         arrival_time: float | None = None,
         export_prompt_blocks: bool = False,
         choices: list[tuple[str, SamplingParams]] | None = None,
+        group: str | None = None,
     ) -> None:
         """Queues a request (lower `priority` is served first); raises ValueError if it is
         malformed or can never fit. With `export_prompt_blocks` its prompt blocks come out of
         `step()` as they fill (module docstring). With `choices` (id, parameters), its prompt
         is computed once under `request_id` with `params` and forked into one sequence per
-        choice, whose outputs carry the choice's id (engine/forks.py)."""
+        choice, whose outputs carry the choice's id (engine/forks.py). `group` names the client
+        request it is part of (several prompts of one API request share it), whose sequences
+        share the batch as one request's (engine/request_share.py); None: its own id."""
         if request_id in self.sequences or request_id in self.forks:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
-        seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, priority, arrival_time, group)
         if choices:
             in_use = self.sequences.keys() | self.forks.parent_of.keys()
             check_choices(request_id, choices, in_use, self.config.max_num_seqs)
             for _, choice_params in choices:
                 self.validate_prompt(prompt_token_ids, choice_params)
             self.forks.add(seq, [
-                self.new_sequence(choice_id, prompt_token_ids, p, priority, seq.arrival_time)
+                self.new_sequence(
+                    choice_id, prompt_token_ids, p, priority, seq.arrival_time, seq.group
+                )
                 for choice_id, p in choices
             ])
         held = not self.structured_output.admit(seq)  # its grammar compiles: scheduled later
@@ -166,6 +171,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        group: str | None = None,
     ) -> Sequence:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -178,6 +184,7 @@ class LLMEngine:
             self.runner.device,
             priority,
             arrival_time,
+            group,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -239,6 +246,11 @@ class LLMEngine:
             self.block_manager.cache_computed_blocks(scheduled.seq)
             if scheduled.seq.request_id in self.num_exported_blocks:
                 self._export_filled_blocks(scheduled.seq, result.exported_blocks)
+            seq = scheduled.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a chunk, not the last
+                result.prompt_progress[seq.request_id] = seq.num_computed_tokens - (
+                    seq.num_cached_tokens or 0
+                )
         forked_scores = self._fork_sampled(samples)
         for seq, sample in samples:
             reason = seq.append_token(sample.token_id)

@@ -23,12 +23,15 @@ class StepOutput:
 
 @dataclass
 class EngineStep:
-    """What one `LLMEngine.step()` did: the tokens it sampled, and the prompt blocks it filled
+    """What one `LLMEngine.step()` did: the tokens it sampled, the prompt blocks it filled
     for requests added with `export_prompt_blocks` (request id -> block ids, in prompt order,
-    each held for the caller until it calls `release_blocks`)."""
+    each held for the caller until it calls `release_blocks`), and for each prompt it advanced
+    without finishing, the prompt tokens computed so far beyond its prefix-cache hit (request
+    id -> tokens: a long prompt's progress between its chunks)."""
 
     outputs: list[StepOutput] = field(default_factory=list)
     exported_blocks: dict[str, list[int]] = field(default_factory=dict)
+    prompt_progress: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

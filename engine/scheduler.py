@@ -1,27 +1,49 @@
-"""Iteration-level (continuous) batching with chunked prefill, priorities and preemption.
+"""Iteration-level (continuous) batching with chunked prefill, priorities, fair shares and
+preemption.
 
 Queues: `waiting` (new requests, and preempted ones: recomputed from scratch or swapped out to
-host memory) and `running` (holding device blocks). Both are ordered by rank (priority aged by
-arrival time, see `pdserve.engine.sequence_queue`). Each `schedule()` call builds one step under a
-token
-budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
-  1. running sequences first, in rank order: a decode takes one token, an unfinished prefill
-     takes the next chunk that fits the budget. When blocks run short, the lowest-ranked
-     running sequence is preempted - possibly the one being scheduled itself. The preemption
-     policy picks its cure: recompute (blocks freed, nothing computed) or swap (its computed
-     blocks copied to host blocks at the start of this step, then freed).
-  2. unless step 1 preempted anything, waiting sequences in rank order: a swapped one gets
-     device blocks and its KV copied back in; any other reuses the longest prefix the prefix
-     cache holds. Each takes a chunk with whatever budget is left, as long as blocks remain
-     above a small watermark plus what admitted sequences are still expected to need (the
-     admission policy). When the first waiting sequence cannot be admitted but outranks the
-     lowest running one, that one is preempted to make room; otherwise admission stops (no
-     overtaking). Idle cached blocks are evicted before an admission is refused or anything
-     is preempted.
+host memory) and `running` (holding device blocks). Both are ordered by rank: the sequence's
+share of its client request first (engine/request_share.py), then priority aged by arrival
+time (engine/sequence_queue.py). Each `schedule()` call builds one step under a token budget
+(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`), taking the sequences of both
+queues merged in rank order, as long as budget remains:
+  - a running sequence takes one token (a decode) or the next chunk of its prompt that fits
+    the budget. When blocks run short, the lowest-ranked running sequence is preempted -
+    possibly the one being scheduled itself. The preemption policy picks its cure: recompute
+    (blocks freed, nothing computed) or swap (its computed blocks copied to host blocks at the
+    start of this step, then freed). After such a preemption the step admits nothing more.
+  - the first waiting sequence, when it outranks the next running one: a swapped one gets
+    device blocks and its KV copied back in; any other reuses the longest prefix the prefix
+    cache holds. It takes a chunk with whatever budget is left, as long as blocks remain
+    above a small watermark plus what admitted sequences are still expected to need (the
+    admission policy). When it cannot be admitted (no seat, no blocks) but outranks the
+    lowest running one, that one is preempted to make room; otherwise admission stops for
+    this step (no overtaking). Idle cached blocks are evicted before an admission is refused
+    or anything is preempted.
 A prompt with n choices (engine/forks.py) counts as n sequences against the cap until it forks
 into them (it is refused at submission when n exceeds the cap).
 Every sequence submitted fits the whole cache on its own (checked by the engine at submission),
 so the first running sequence can always progress: no deadlock.
+
+Fair share, and the bound it gives. A client request's sequences beyond its first `share`
+(`max_num_seqs // 4`; a batch of prompts x n choices is one request when submitted under one
+`group`) rank behind every request's first share, so they never take a seat, blocks or budget
+ahead of another request's first share, and are preempted first to seat one. Hence a request
+R of at most `share` sequences waits only for the first shares of the requests that outrank
+it (arrived before it at its priority, or more important). Bound: if R arrives while one
+other request G runs, however many sequences G has, R's first chunk is scheduled in the first
+step after its arrival, provided that
+  - G's first share leaves R a seat (2 x share <= max_num_seqs, but a prompt whose choices
+    start within the first share counts whole until it forks), blocks, and budget (G's first
+    share takes at most `share` tokens in a step once its prompts are computed), and
+  - no sequence ranked ahead of R preempts for blocks in that step (each such step evicts
+    one of G's sequences ranked behind R, so this delays R by at most as many steps as G
+    has sequences beyond its share).
+R then samples its first token ceil(prompt / budget left) steps later. The share bounds R's
+wait in steps, not a step's length: G's other sequences still run in the budget and seats R
+leaves (nothing idles), so where a step's time grows with its batch (the CPU) R's steps are
+as long as the whole batch's. Without the share R ranked behind all of G's sequences and
+waited for G's whole batch whenever G filled the seats (tests/engine/test_fair_share*.py).
 """
 
 from __future__ import annotations
@@ -32,6 +54,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.admission import AdmissionPolicy
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.preemption import PreemptionPolicy
+from pdserve.engine.request_share import RequestShares
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.sequence_queue import PriorityOrder, SequenceQueue
 from pdserve.engine.swap_space import SwapSpace
@@ -100,16 +123,19 @@ class Scheduler:
         order = PriorityOrder(priority_aging_s)
         self.waiting = SequenceQueue(order)
         self.running = SequenceQueue(order)
+        self.shares = RequestShares(max_num_seqs)
         self._sequence_numbers = itertools.count()
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
 
     def add(self, seq: Sequence) -> None:
         seq.sequence_number = next(self._sequence_numbers)
+        self.shares.enter(seq)
         self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Joins a sequence whose prompt KV is already in its blocks (computed elsewhere)."""
         seq.sequence_number = next(self._sequence_numbers)
+        self.shares.enter(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.add(seq)
 
@@ -129,34 +155,47 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_new, out):
-                break
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
-            index += 1
-        if out.preempted:
-            return out
-
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            num_new = None
-            if self.num_running_seqs + seq.num_seqs <= self.max_num_seqs:
-                num_new = self._admit(seq, budget, out)
-            if num_new is not None:
-                self.waiting.pop_first()
-                seq.status = SequenceStatus.RUNNING
-                self.running.add(seq)
+        index = 0  # running[:index] have their chunk in this step
+        admitting = True  # until a running sequence preempts, or the first waiting one stays
+        while budget > 0:
+            if admitting and self._waiting_goes_before(index):
+                seq = self.waiting[0]
+                num_new = None
+                if self.num_running_seqs + seq.num_seqs <= self.max_num_seqs:
+                    num_new = self._admit(seq, budget, out)
+                if num_new is not None:
+                    self.waiting.pop_first()
+                    seq.status = SequenceStatus.RUNNING
+                    self.running.add(seq)  # at `index`: it ranks between the two
+                    out.scheduled.append(ScheduledSequence(seq, num_new))
+                    budget -= num_new
+                    index += 1
+                elif self._outranks_last_running(seq):
+                    self._preempt_for_admission(out)
+                else:
+                    admitting = False  # no overtaking
+            elif index < len(self.running):
+                seq = self.running[index]
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                num_preempted = len(out.preempted)
+                if not self._make_room(seq, num_new, out):
+                    break
+                admitting = admitting and len(out.preempted) == num_preempted
                 out.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
-            elif self._outranks_last_running(seq):
-                budget += self._preempt_for_admission(out)
+                index += 1
             else:
                 break
         return out
+
+    def _waiting_goes_before(self, index: int) -> bool:
+        """Whether the first waiting sequence outranks running[index] (or none is left)."""
+        if not self.waiting:
+            return False
+        if index == len(self.running):
+            return True
+        rank = self.running.order.rank
+        return rank(self.waiting[0]) < rank(self.running[index])
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Gives a waiting seq its device blocks (and its swapped KV back) and returns the
@@ -199,20 +238,13 @@ class Scheduler:
         rank = self.running.order.rank
         return rank(seq) < rank(self.running[-1])
 
-    def _preempt_for_admission(self, out: SchedulerOutput) -> int:
-        """Preempts the lowest-ranked running sequence for a higher-ranked waiting one; returns
-        the budget it had been given in this step."""
+    def _preempt_for_admission(self, out: SchedulerOutput) -> None:
+        """Preempts the lowest-ranked running sequence for a higher-ranked waiting one (it has
+        no chunk in this step: the step reaches running sequences in rank order)."""
         victim = self.running[-1]
-        returned = 0
-        for index, scheduled in enumerate(out.scheduled):
-            if scheduled.seq is victim:
-                returned = scheduled.num_new_tokens
-                del out.scheduled[index]
-                break
         # A block still waiting for its copy-on-write copy would be swapped out unfilled.
         pending_copies = {dst for _, dst in out.blocks_to_copy}
         self._preempt(victim, out, may_swap=pending_copies.isdisjoint(victim.block_table))
-        return returned
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Allocates seq's slots (and private copies of shared blocks), preempting the
@@ -268,6 +300,7 @@ class Scheduler:
             seq.host_block_table = []
         else:
             return
+        self.shares.leave(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.admission.observe_finished(seq, reason)

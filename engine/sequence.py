@@ -8,6 +8,9 @@ to SWAPPED (KV copied to the host blocks in `host_block_table`, `num_computed_to
 waiting in the same queue, and copied back in when admitted again).
 
 `priority`: lower is more important (as in vLLM's API); `arrival_time` orders equals.
+`group`: the client request this sequence serves (a batch of prompts, each with its choices, is
+one request); `share_tier` is its share of that request (engine/request_share.py), None until
+the scheduler takes it.
 `token_ids` only grows (prompt, then each appended output token), whatever the state.
 `grammar` (a request with `structured_output`, once its grammar compiled) follows the output
 tokens: `append_token` advances it, so it survives preemption as the tokens do.
@@ -48,8 +51,11 @@ class Sequence:
         device: torch.device,
         priority: int = 0,
         arrival_time: float | None = None,
+        group: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.group = request_id if group is None else group
+        self.share_tier: int | None = None
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

@@ -8,6 +8,9 @@ starvation bound: a flood of more important requests delays it only by the work 
 arrived before that moment. With aging_s = 0 priorities are strict (ties by arrival) and a
 steady flood of more important requests can starve the rest.
 Ties go to the earlier arrival, then to the earlier submission (`Sequence.sequence_number`).
+Before all of this comes the sequence's share of its client request (`Sequence.share_tier`,
+engine/request_share.py): every request's first share ranks ahead of any request's second, so
+the bounds above hold between shares of the same tier.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ class PriorityOrder:
         self.aging_s = aging_s
 
     def rank(self, seq: Sequence) -> tuple[float, ...]:
-        return self.rank_of(seq.priority, seq.arrival_time, seq.sequence_number)
+        return (
+            seq.share_tier or 0,
+            *self.rank_of(seq.priority, seq.arrival_time, seq.sequence_number),
+        )
 
     def rank_of(self, priority: int, arrival_time: float, number: int) -> tuple[float, ...]:
         """The rank of anything waiting with a priority and an arrival time (`number`, unique

@@ -29,11 +29,13 @@ Prefill node (`KVSender`, one per decode node it writes to)
   connect(descriptor, kv_cache, model_fingerprint)  once per decode node, before the first write;
                                  raises `DescriptorMismatch` naming both values of any field
                                  that differs.
-  write(transfer_id, src_block_ids, dst_block_ids)  after each prefill chunk's forward, for the
-                                 blocks that chunk completed (the last chunk also writes the
-                                 partial last block); returns at once, the copy overlaps the next
-                                 chunk. Each destination block is written once per transfer. The
-                                 source blocks must stay unchanged until the transfer's event.
+  write(transfer_id, src_block_ids, dst_block_ids, pace_s)  after each prefill chunk's forward,
+                                 for the blocks that chunk completed (the last chunk also writes
+                                 the partial last block), with how long that forward took (the
+                                 decode side gives the next chunk a few times as long); returns
+                                 at once, the copy overlaps the next chunk. Each destination
+                                 block is written once per transfer. The source blocks must stay
+                                 unchanged until the transfer's event.
   poll() / wait(transfer_id, timeout)  COMPLETE (the decode node committed the transfer) or
                                  FAILED (refused, rejected, deadline, aborted, decode node gone);
                                  after either, no source block of the transfer is read again.
@@ -132,8 +134,13 @@ class KVSender(abc.ABC):
     ) -> None: ...
 
     @abc.abstractmethod
-    def write(self, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        ...
+    def write(
+        self,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        pace_s: float = 0.0,
+    ) -> None: ...
 
     @abc.abstractmethod
     def poll(self) -> list[TransferEvent]:

@@ -4,10 +4,17 @@ complete, and when its blocks may be given back.
 A transfer moves through these states; each has a deadline:
   expected   `expect()` registered its destination blocks and deadline. The first sender whose
              Begin arrives is granted it; writes from any other sender are dropped. With a
-             `budget_s`, the deadline given to `expect()` bounds only the wait for that first
-             Begin (the prompt may sit in the prefill node's queue meanwhile); the grant then
-             moves the deadline to the grant time plus `budget_s`, so the transfer's own
-             clock runs from when its first block was computed.
+             `budget_s`, the transfer is judged by its progress, not by one wall-clock bound:
+             the deadline given to `expect()` bounds only the wait for that first Begin (the
+             prompt may sit in the prefill node's queue meanwhile); the grant moves the
+             deadline to the grant time plus `budget_s`, and every accepted write moves it to
+             its arrival plus the larger of `budget_s` and PACE_FACTOR times its `pace_s` (how
+             long the prefill step that filled its blocks took: the next chunk's forward is
+             about as long). A prompt prefilled in many chunks on a busy host then has that
+             long for each chunk, not `budget_s` for the whole prompt, however slow the host;
+             a sender that stops writing fails that long after its last write. Each write's
+             Ack carries the seconds left, so the sender's deadline follows
+             (kvtransfer/sender.py).
   complete   every (block, layer) pair arrived: COMPLETE is reported and the ledger forgets the
              transfer (the owner keeps the blocks).
   failed     the deadline passed, the owner aborted, or the sender abandoned it: FAILED is
@@ -24,7 +31,7 @@ released at once: its I/O thread checks the ledger before each scatter, so nothi
 Where the sender copies into our memory itself (DirectWrite: shm, cuda_ipc, mooncake,
 inprocess), a failed transfer that was granted is released only when (a) its sender sends
 Abandon, which it does after its last copy for the transfer has finished and never copies for it
-again, or (b) `release_grace_s` after the deadline (or the strategy's `write_timeout_s`, where
+again (never after a copy that raised: a timed-out network write may still be landing), or (b) `release_grace_s` after the deadline (or the strategy's `write_timeout_s`, where
 longer: a network write's bound). (b) holds because a sender's deadline is never later than ours
 (it is the time it sent Begin plus the seconds left we granted) and it starts no copy step
 after it, and one step is a few MiB, far shorter than the grace. A failed transfer never
@@ -42,6 +49,9 @@ from pdserve.kvtransfer.messages import MAX_TRANSFER_ID_CHARS, Cancel, Committed
 from pdserve.kvtransfer.strategies import WriteStrategy
 
 RECENT_TRANSFERS_REMEMBERED = 4096
+# A chunk's forward may take this many times as long as the one before it (a longer context,
+# a host getting busier) before its transfer counts as stalled.
+PACE_FACTOR = 3.0
 
 
 @dataclass
@@ -55,7 +65,8 @@ class ExpectedTransfer:
     writer: bytes | None = None
     error: str | None = None
     release_at: float | None = None
-    budget_from_grant: bool = False
+    paced_by_writes: bool = False
+    stall_bound_s: float = 0.0  # paced: how long it may now go without a write
     block_set: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +107,7 @@ class TransferLedger:
         budget_s: float | None = None,
     ) -> None:
         """`deadline` ends the transfer; with `budget_s` it ends only the wait for the grant,
-        and the grant sets the deadline to the grant time plus `budget_s`."""
+        and the grant and each accepted write set the deadline to their time plus `budget_s`."""
         if not 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
             raise ValueError(f"a transfer id has 1-{MAX_TRANSFER_ID_CHARS} characters")
         if transfer_id in self._transfers:
@@ -125,7 +136,7 @@ class TransferLedger:
             budget_s=max(deadline - now, 0.0) if budget_s is None else budget_s,
             missing_layers={block_id: all_layers for block_id in block_ids},
             num_missing=len(block_ids) * self.num_layers,
-            budget_from_grant=budget_s is not None,
+            paced_by_writes=budget_s is not None,
         )
         self._recent.pop(transfer_id, None)
         for block_id in block_ids:
@@ -139,8 +150,9 @@ class TransferLedger:
             return f"transfer {transfer_id!r} is {self._describe_absent(transfer_id)}"
         if transfer.writer not in (None, writer):
             return f"transfer {transfer_id!r} is granted to another sender"
-        if transfer.writer is None and transfer.budget_from_grant:
+        if transfer.writer is None and transfer.paced_by_writes:
             transfer.deadline = now + transfer.budget_s
+            transfer.stall_bound_s = transfer.budget_s
         transfer.writer = writer
         return transfer
 
@@ -168,10 +180,20 @@ class TransferLedger:
         return None
 
     def record_write(
-        self, transfer_id: str, block_ids: list[int], layer_start: int, layer_end: int
-    ) -> None:
-        """Marks an accepted write as arrived (check_write returned None for it)."""
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        layer_start: int,
+        layer_end: int,
+        now: float,
+        pace_s: float = 0.0,
+    ) -> float:
+        """Marks an accepted write as arrived (check_write returned None for it); returns the
+        seconds left before the transfer's deadline (0.0 once it is complete)."""
         transfer = self._transfers[transfer_id]
+        if transfer.paced_by_writes:
+            transfer.stall_bound_s = max(transfer.budget_s, PACE_FACTOR * pace_s)
+            transfer.deadline = max(transfer.deadline, now + transfer.stall_bound_s)
         layer_mask = ((1 << layer_end) - 1) ^ ((1 << layer_start) - 1)
         for block_id in block_ids:
             missing = transfer.missing_layers.get(block_id, 0)
@@ -186,6 +208,8 @@ class TransferLedger:
             )
             if transfer.writer is not None:
                 self._notices.append((transfer.writer, Committed(transfer_id)))
+            return 0.0
+        return max(transfer.deadline - now, 0.0)
 
     def fail(self, transfer_id: str, error: str) -> bool:
         """Fails an expected transfer; False when it is not expected (unknown or finished)."""
@@ -221,16 +245,21 @@ class TransferLedger:
                 self._release(transfer)
 
     def _missed_deadline(self, transfer: ExpectedTransfer) -> str:
-        if transfer.writer is None and transfer.budget_from_grant:
+        if transfer.writer is None and transfer.paced_by_writes:
             return (
                 f"the prefill node did not start the KV transfer for request "
                 f"{transfer.transfer_id!r} before its deadline (the prompt waited in its queue)"
             )
         total = len(transfer.block_ids) * self.num_layers
+        arrived = f"{total - transfer.num_missing} of {total} block-layers arrived"
+        if transfer.paced_by_writes:
+            return (
+                f"KV transfer for request {transfer.transfer_id!r} made no progress for "
+                f"{transfer.stall_bound_s:.2f} s ({arrived})"
+            )
         return (
             f"KV transfer for request {transfer.transfer_id!r} did not complete within its "
-            f"{transfer.budget_s:.2f} s deadline ({total - transfer.num_missing} of {total} "
-            "block-layers arrived)"
+            f"{transfer.budget_s:.2f} s deadline ({arrived})"
         )
 
     def next_timer(self) -> float | None:

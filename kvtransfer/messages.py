@@ -8,11 +8,16 @@ frame sequence on it is `[header, *data]`: the header is one of the dataclasses 
                       Data       KV bytes of some blocks and layers of T (zmq transport)
                       Written    those blocks and layers of T are now in your memory
                                  (shm and cuda_ipc transports: the sender copied them itself)
+                                 Data and Written carry `pace_s`: how long the prefill step
+                                 that filled those blocks took, which paces T's deadline
+                                 (kvtransfer/ledger.py)
                       Abandon    the sender will never write T again (no copy of T is running)
   decode -> prefill   Grant      yes: T's destination blocks and the seconds left before its
                                  deadline
                       Refuse     no: T is unknown, finished, failed or granted to another sender
-                      Ack        message `seq` was applied (frees the sender's in-flight window)
+                      Ack        message `seq` was applied (frees the sender's in-flight window),
+                                 and the seconds now left before T's deadline (each write
+                                 that lands moves it: kvtransfer/ledger.py)
                       Reject     message `seq` was dropped, with the reason (T fails)
                       Committed  every block of every layer of T arrived
                       Cancel     T failed on the decode side (deadline or abort); reply Abandon
@@ -24,6 +29,7 @@ frame sequence on it is `[header, *data]`: the header is one of the dataclasses 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -53,6 +59,7 @@ class Data:
     layer_end: int
     dtype: str
     nbytes: int
+    pace_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class Written:
     block_ids: list[int]
     layer_start: int
     layer_end: int
+    pace_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class Ack:
     type: ClassVar[str] = "ack"
     transfer_id: str
     seq: int
+    seconds_left: float
 
 
 @dataclass(frozen=True)
@@ -130,12 +139,13 @@ def decode_header(data: bytes | memoryview) -> Any:
     if cls is None:
         raise KVProtocolError("header has no known message type")
     known = {f.name: f.type for f in dataclasses.fields(cls)}
-    if set(fields) != set(known):
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    if not required <= set(fields) <= set(known):
         raise KVProtocolError(
             f"{cls.__name__} header has fields {sorted(fields)}; expected {sorted(known)}"
         )
     for name, annotation in known.items():
-        if not _matches(fields[name], annotation):
+        if name in fields and not _matches(fields[name], annotation):
             raise KVProtocolError(f"{cls.__name__}.{name} is not a valid {annotation}")
     transfer_id = fields["transfer_id"]
     if not transfer_id or len(transfer_id) > MAX_TRANSFER_ID_CHARS:
@@ -146,13 +156,16 @@ def decode_header(data: bytes | memoryview) -> Any:
 
 
 def _matches(value: Any, annotation: str) -> bool:
-    """Checks a value against this module's (string) annotations; ints must be >= 0."""
+    """Checks a value against this module's (string) annotations; numbers must be >= 0."""
     if annotation == "str":
         return isinstance(value, str)
     if annotation == "int":
         return _is_count(value)
-    if annotation == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation == "float":  # only durations: finite and >= 0
+        return (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0
+        )
     if annotation == "list[int]":
         return isinstance(value, list) and all(_is_count(v) for v in value)
     return False

@@ -21,7 +21,7 @@ class SenderConfig:
     runs behind the next chunk's forward. With a cluster secret (`cluster_auth`) the channel's
     DEALER is a CURVE client: it reaches only a decode node that holds the secret."""
 
-    grant_timeout_s: float = 5.0
+    grant_timeout_s: float = 30.0  # a round trip; a busy host answers late, not never
     max_inflight_bytes: int = 64 << 20
     step_bytes: int = 4 << 20
     io_thread_niceness: int = 10
@@ -41,16 +41,22 @@ class SenderConfig:
 
 @dataclass
 class WriteJob:
+    """One `write`: its blocks, the transport's readiness token, and how long the prefill step
+    that filled them took (`pace_s`, sent with its messages)."""
+
     src_block_ids: list[int]
     dst_block_ids: list[int]
     ready: object | None
+    pace_s: float = 0.0
     steps: deque[WriteStep] | None = None
 
 
 @dataclass
 class OutgoingTransfer:
     """`deadline` is the grant wait limit until Grant arrives, then the time Begin was sent
-    plus the seconds the decode node granted: never later than the decode node's deadline."""
+    plus the seconds the decode node granted, then moved by each Ack to the time its write
+    was sent plus the seconds left it names: a message is sent before it arrives, so this is
+    never later than the decode node's deadline."""
 
     transfer_id: str
     begin_sent_at: float
@@ -63,6 +69,10 @@ class OutgoingTransfer:
 
 @dataclass
 class InFlight:
+    """A Data or Written message sent and not yet acknowledged (a Written has no bytes in
+    the window: its copies already landed)."""
+
     transfer_id: str
     nbytes: int
     on_ack: Callable[[], None] | None
+    sent_at: float

@@ -306,11 +306,12 @@ class ChannelReceiver(KVReceiver):
                 message.layer_end,
             )
             if reason is None:
-                self._ledger.record_write(
-                    message.transfer_id, message.block_ids, message.layer_start, message.layer_end
+                seconds_left = self._ledger.record_write(
+                    message.transfer_id, message.block_ids, message.layer_start,
+                    message.layer_end, time.monotonic(), message.pace_s,
                 )
                 self._collect_actions()
-                return None
+                return Ack(message.transfer_id, message.seq, seconds_left)
         return self._refuse(message, reason)
 
     def _apply_data(self, identity: bytes, message: Data, data_frames: list[zmq.Frame]) -> Any:
@@ -346,11 +347,12 @@ class ChannelReceiver(KVReceiver):
             )
             if reason is None:
                 self.transport.apply(message, frame, self._kv_cache)
-                self._ledger.record_write(
-                    message.transfer_id, message.block_ids, message.layer_start, message.layer_end
+                seconds_left = self._ledger.record_write(
+                    message.transfer_id, message.block_ids, message.layer_start,
+                    message.layer_end, time.monotonic(), message.pace_s,
                 )
                 self._collect_actions()
-                return Ack(message.transfer_id, message.seq)
+                return Ack(message.transfer_id, message.seq, seconds_left)
         return self._refuse(message, reason)
 
     def _drop_other_write_kind(self, message: Data | Written) -> Reject:

@@ -3,7 +3,8 @@ thread that runs every write's copy steps.
 
 A transfer on this side: `write` queues a job -> the first job sends Begin and waits for Grant
 (deadline: grant_timeout_s) -> granted (deadline: the time Begin was sent plus the seconds left
-the decode node granted, so never later than the decode node's own) -> each job is cut into
+the decode node granted, then the time each acknowledged write was sent plus the seconds left
+its Ack names, so never later than the decode node's own) -> each job is cut into
 steps of at most step_bytes, run in order, at most one step per transfer per round so acks,
 cancels and other transfers are served in between. No step starts after the deadline. The
 transport's write strategy (kvtransfer/strategies.py) says what each step and each job's end
@@ -11,7 +12,9 @@ send: a Streamed step sends Data, and steps wait while unacknowledged bytes woul
 max_inflight_bytes (backpressure); a DirectWrite job sends Written after its last step's copies
 have landed. The transfer ends COMPLETE on Committed, or FAILED on
 Refuse, Reject, Cancel, abort or the deadline; a failed transfer that sent Begin sends Abandon,
-which tells the decode node that nothing of it will be copied any more.
+which tells the decode node that nothing of it will be copied any more - except after a copy
+step that raised (a network write that timed out may still be landing): then the decode node
+keeps the blocks until its deadline plus the write timeout.
 
 With `PDSERVE_KV_FAULTS` set at construction, Data and Written messages pass through a fault
 injector (kvtransfer/faults.py) that drops, duplicates or holds them.
@@ -20,6 +23,7 @@ injector (kvtransfer/faults.py) that drops, duplicates or holds them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import sys
@@ -114,8 +118,16 @@ class ChannelSender(KVSender):
         )
         self._thread.start()
 
-    def write(self, transfer_id: str, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def write(
+        self,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        pace_s: float = 0.0,
+    ) -> None:
         src, dst = list(src_block_ids), list(dst_block_ids)
+        if not (math.isfinite(pace_s) and pace_s >= 0):
+            raise ValueError(f"pace_s is {pace_s!r}; expected a finite time >= 0")
         if self._descriptor is None:
             raise RuntimeError("connect() the KV sender before writing")
         if not 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
@@ -131,7 +143,7 @@ class ChannelSender(KVSender):
             bad = [b for b in ids if not 0 <= b < limit]
             if bad:
                 raise ValueError(f"{name} block ids {bad[:8]} are outside 0..{limit - 1}")
-        job = WriteJob(src, dst, self.transport.on_write())
+        job = WriteJob(src, dst, self.transport.on_write(), pace_s)
         self._commands.put(("write", transfer_id, job))
         self._wakeup.wake()
 
@@ -265,32 +277,49 @@ class ChannelSender(KVSender):
                 if job_done:
                     written = self._strategy.finish_job(
                         self.transport, transfer.transfer_id, job.dst_block_ids,
-                        self._descriptor.spec.num_layers, job.ready, self._take_seq,
+                        self._descriptor.spec.num_layers, job.ready, self._take_seq, job.pace_s,
                     )
             except Exception as error:  # fail this transfer, serve the others
                 logger.exception("KV sender: a copy step failed")
-                self._fail(transfer, f"KV transfer for request {transfer.transfer_id!r}: {error}")
+                self._fail(
+                    transfer,
+                    f"KV transfer for request {transfer.transfer_id!r}: {error}",
+                    copy_may_be_landing=True,
+                )
                 continue
             data = self._strategy.step_message(
-                transfer.transfer_id, step, self._descriptor.dtype, self._take_seq
+                transfer.transfer_id, step, self._descriptor.dtype, self._take_seq, job.pace_s
             )
-            if data is not None:
-                if not self._send(data, outgoing.frames):
-                    self._fail(transfer, self._unreachable(transfer.transfer_id))
-                    continue
-                self._in_flight[data.seq] = InFlight(
-                    transfer.transfer_id, step.nbytes, outgoing.on_ack
-                )
-                self._in_flight_bytes += step.nbytes
-                transfer.unacked.add(data.seq)
+            if data is not None and not self._send_tracked(
+                transfer, data, step.nbytes, outgoing.on_ack, outgoing.frames
+            ):
+                continue
             if job_done:
                 transfer.jobs.popleft()
                 transfer.written_blocks.update(job.dst_block_ids)
-                if written is not None and not self._send(written):
-                    self._fail(transfer, self._unreachable(transfer.transfer_id))
+                if written is not None and not self._send_tracked(transfer, written, 0, None):
                     continue
             more_ready = more_ready or bool(transfer.jobs)
         return more_ready
+
+    def _send_tracked(
+        self,
+        transfer: OutgoingTransfer,
+        message: Data | Written,
+        nbytes: int,
+        on_ack: Any,
+        frames: list[Any] = (),
+    ) -> bool:
+        """Sends a write message and tracks it until its Ack; False (the transfer failed)
+        when the decode node does not take it."""
+        sent_at = time.monotonic()
+        if not self._send(message, frames):
+            self._fail(transfer, self._unreachable(transfer.transfer_id))
+            return False
+        self._in_flight[message.seq] = InFlight(transfer.transfer_id, nbytes, on_ack, sent_at)
+        self._in_flight_bytes += nbytes
+        transfer.unacked.add(message.seq)
+        return True
 
     def _start_job(self, transfer: OutgoingTransfer, job: WriteJob) -> bool:
         outside = [b for b in job.dst_block_ids if b not in transfer.granted_blocks]
@@ -327,7 +356,7 @@ class ChannelSender(KVSender):
             if transfer.granted_blocks is None:
                 reason = f"no grant within {self.config.grant_timeout_s:.2f} s"
             else:
-                reason = "the decode node did not commit it by its deadline"
+                reason = "the decode node acknowledged no write before its deadline"
             self._fail(
                 transfer,
                 f"KV transfer for request {transfer.transfer_id!r} to decode node "
@@ -350,7 +379,7 @@ class ChannelSender(KVSender):
             return
         transfer = self._transfers.get(message.transfer_id)
         if isinstance(message, Ack):
-            self._acknowledge(message.seq)
+            self._acknowledge(message.seq, message.seconds_left)
         elif transfer is None:
             return  # a reply about a transfer this side has already finished
         elif isinstance(message, Grant):
@@ -369,7 +398,9 @@ class ChannelSender(KVSender):
         else:
             logger.warning("KV sender: dropped a %s reply", type(message).__name__)
 
-    def _acknowledge(self, seq: int) -> None:
+    def _acknowledge(self, seq: int, seconds_left: float) -> None:
+        """The write landed: its bytes leave the window, and the transfer's deadline moves
+        to the time it was sent plus the seconds the decode node says are left."""
         in_flight = self._in_flight.pop(seq, None)
         if in_flight is None:
             return
@@ -377,16 +408,25 @@ class ChannelSender(KVSender):
         transfer = self._transfers.get(in_flight.transfer_id)
         if transfer is not None:
             transfer.unacked.discard(seq)
+            if transfer.granted_blocks is not None:
+                transfer.deadline = max(transfer.deadline, in_flight.sent_at + seconds_left)
         if in_flight.on_ack is not None:
             in_flight.on_ack()
 
-    def _fail(self, transfer: OutgoingTransfer, error: str) -> None:
+    def _fail(
+        self, transfer: OutgoingTransfer, error: str, copy_may_be_landing: bool = False
+    ) -> None:
+        """Ends the transfer and tells the decode node nothing of it will land any more
+        (Abandon), unless a copy step raised: a network write that timed out may still be
+        landing, so the decode node must keep the blocks until its deadline plus the write
+        timeout (the late-write rule, kvtransfer/ledger.py)."""
         self._finish(transfer, "failed")
         for seq in transfer.unacked:
             in_flight = self._in_flight.pop(seq, None)
             if in_flight is not None:
                 self._in_flight_bytes -= in_flight.nbytes  # its staging buffer is not reused
-        self._send(Abandon(transfer.transfer_id, error))
+        if not copy_may_be_landing:
+            self._send(Abandon(transfer.transfer_id, error))
         logger.warning("%s", error)
         self._board.post([TransferEvent(transfer.transfer_id, TransferKind.FAILED, error)])
 

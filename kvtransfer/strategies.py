@@ -6,11 +6,12 @@ to do and never which transport they run.
 
 DirectWrite (shm, cuda_ipc, mooncake, inprocess): the sender copies each step straight into the
   decode node's buffer, which it has mapped (or registered with Mooncake), and reports each
-  finished write with one Written message. No byte crosses the channel, so nothing is
-  acknowledged and the window never fills.
+  finished write with one Written message. No byte crosses the channel, so the window never
+  fills; each Written is acknowledged (Ack) only to move the sender's deadline.
 Streamed (zmq): the sender packs each step into a Data message; the receiver's I/O thread checks
-  it against the ledger, scatters it into the blocks and acknowledges it (Ack); unacknowledged
-  bytes are bounded by the sender's window (SenderConfig.max_inflight_bytes).
+  it against the ledger, scatters it into the blocks and acknowledges it (Ack, which also
+  moves the sender's deadline); unacknowledged bytes are bounded by the sender's window
+  (SenderConfig.max_inflight_bytes).
 
 Who calls what, and when:
   step_message           the sender's I/O thread, after each step's `run_step`: the Data message
@@ -42,7 +43,12 @@ class WriteStrategy(abc.ABC):
 
     @abc.abstractmethod
     def step_message(
-        self, transfer_id: str, step: WriteStep, dtype: str, next_seq: Callable[[], int]
+        self,
+        transfer_id: str,
+        step: WriteStep,
+        dtype: str,
+        next_seq: Callable[[], int],
+        pace_s: float,
     ) -> Data | None: ...
 
     @abc.abstractmethod
@@ -54,6 +60,7 @@ class WriteStrategy(abc.ABC):
         num_layers: int,
         ready: object | None,
         next_seq: Callable[[], int],
+        pace_s: float,
     ) -> Written | None: ...
 
     @abc.abstractmethod
@@ -71,7 +78,12 @@ class DirectWrite(WriteStrategy):
     write_timeout_s: float = 0.0
 
     def step_message(
-        self, transfer_id: str, step: WriteStep, dtype: str, next_seq: Callable[[], int]
+        self,
+        transfer_id: str,
+        step: WriteStep,
+        dtype: str,
+        next_seq: Callable[[], int],
+        pace_s: float,
     ) -> None:
         return None
 
@@ -83,9 +95,10 @@ class DirectWrite(WriteStrategy):
         num_layers: int,
         ready: object | None,
         next_seq: Callable[[], int],
+        pace_s: float,
     ) -> Written:
         transport.finish_write(ready)
-        return Written(transfer_id, next_seq(), dst_block_ids, 0, num_layers)
+        return Written(transfer_id, next_seq(), dst_block_ids, 0, num_layers, pace_s)
 
     def release_after_failure(self, deadline: float, release_grace_s: float) -> float:
         return deadline + max(release_grace_s, self.write_timeout_s)
@@ -99,11 +112,16 @@ class Streamed(WriteStrategy):
     write_message: ClassVar[type[Data]] = Data
 
     def step_message(
-        self, transfer_id: str, step: WriteStep, dtype: str, next_seq: Callable[[], int]
+        self,
+        transfer_id: str,
+        step: WriteStep,
+        dtype: str,
+        next_seq: Callable[[], int],
+        pace_s: float,
     ) -> Data:
         return Data(
             transfer_id, next_seq(), step.dst_block_ids, step.layer_start, step.layer_end, dtype,
-            step.nbytes,
+            step.nbytes, pace_s,
         )
 
     def finish_job(
@@ -114,6 +132,7 @@ class Streamed(WriteStrategy):
         num_layers: int,
         ready: object | None,
         next_seq: Callable[[], int],
+        pace_s: float,
     ) -> None:
         return None
 

@@ -57,8 +57,9 @@ class NodeConfig:
     )
     transfer_timeout_s: float = option(
         30.0, flag="--transfer-timeout", roles=("decode",), metavar="SECONDS",
-        help="a KV transfer's deadline, from its first block's write, and the deadline of "
-        "the first token after the KV arrived",
+        help="how long a KV transfer may go without a write landing (from its grant, then "
+        "from each write; at least 3x the forward that filled the last write), and the "
+        "deadline of the first token after the KV arrived",
     )
     queue_timeout_s: float = option(
         120.0, flag="--queue-timeout", roles=("decode",), metavar="SECONDS",

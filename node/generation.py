@@ -12,7 +12,8 @@ A Generate with `choices` (n > 1) is one prompt computed once and forked into it
 tokens, its abort, its failure); joined, every choice takes the transferred blocks.
 
   active     every engine step's outputs become ONE TokenBatch (a TokenUpdate per request;
-             one carrying a prompt's logprobs goes in a TokenBatch of its own);
+             one carrying a prompt's logprobs goes in a TokenBatch of its own), after one
+             PromptProgress for the prompts the step advanced without finishing;
   ended      by its finish reason, by `abort` (the router's Abort), or by a failed step: a
              request that fails the step on its own (engine.llm_engine.StepFailure names it;
              the engine already ended it) gets RequestFailed 500, or 400 if its structured
@@ -38,6 +39,7 @@ from pdserve.wire.messages import (
     Generate,
     PrefillDone,
     PrefillRequest,
+    PromptProgress,
     RequestFailed,
     TokenBatch,
     TokenUpdate,
@@ -98,7 +100,7 @@ class Generation:
             choices = choice_params(message, self.in_use)
             self.engine.add_request(
                 request_id, message.prompt_token_ids, params, message.priority,
-                choices=choices or None,
+                choices=choices or None, group=message.group,
             )
         except (ValueError, TypeError) as error:
             logger.info("rejected request %s: %s", request_id, error)
@@ -201,12 +203,12 @@ class Generation:
         logger.info("aborted request %s", request_id)
         return True
 
-    def step(self) -> list[TokenBatch | RequestFailed]:
+    def step(self) -> list[TokenBatch | PromptProgress | RequestFailed]:
         """One engine step, if there is work; the messages it produced for the router."""
         if not self.engine.has_unfinished_requests():
             return []
         try:
-            outputs = self.engine.step().outputs
+            engine_step = self.engine.step()
         except StepFailure as failure:
             failed = []
             for request_id, error in failure.errors.items():
@@ -220,11 +222,11 @@ class Generation:
         except Exception:  # fail the requests, keep the node
             logger.exception("engine step failed; failing %d in-flight requests", len(self.active))
             return self._fail_all("engine error while generating")
-        if not outputs:
-            return []
-        updates = [self._update(output) for output in outputs]
+        progress = engine_step.prompt_progress
+        messages = [PromptProgress(self.node_id, progress)] if progress else []
+        updates = [self._update(output) for output in engine_step.outputs]
         plain = [u for u in updates if u.prompt_logprobs is None]
-        batches = [TokenBatch(self.node_id, plain)] if plain else []
+        batches = [*messages, TokenBatch(self.node_id, plain)] if plain else messages
         # a prompt's scores travel alone: one prompt bounds a message (wire/messages.py)
         batches += [TokenBatch(self.node_id, [u]) for u in updates if u.prompt_logprobs is not None]
         return batches

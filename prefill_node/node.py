@@ -49,6 +49,7 @@ from pdserve.wire.messages import (
     ChoiceToken,
     PrefillDone,
     PrefillRequest,
+    PromptProgress,
     RequestFailed,
     TokenBatch,
     TokenUpdate,
@@ -132,6 +133,7 @@ class PrefillNode(NodeRuntime):
                 message.dst_block_ids,
                 message.priority,
                 choices or None,
+                message.group,
             )
         except (ValueError, TypeError) as error:
             logger.info("rejected prefill of %s: %s", request_id, error)
@@ -221,11 +223,13 @@ class PrefillNode(NodeRuntime):
         """Moves a request to `stage` (module docstring; the sender times every stage)."""
         request.stage = stage
 
-    def _write(self, write: BlockWrite) -> None:
+    def _write(self, write: BlockWrite, pace_s: float) -> None:
+        """Hands a step's filled blocks to the request's sender, with how long that step took
+        (the decode node paces the transfer's deadline by it, kvtransfer/ledger.py)."""
         request = self.requests[write.request_id]
         if request.first_write_at is None:
             request.first_write_at = time.monotonic()
-        request.sender.write(write.request_id, write.src_block_ids, write.dst_block_ids)
+        request.sender.write(write.request_id, write.src_block_ids, write.dst_block_ids, pace_s)
         num_blocks = len(write.src_block_ids)
         self.transfer_bytes += num_blocks * self.engine.runner.node_kv_cache.spec.bytes_per_block
 
@@ -256,7 +260,9 @@ class PrefillNode(NodeRuntime):
 
     def _step(self) -> None:
         try:
+            started = time.monotonic()
             step = self.prefill.step()
+            pace_s = time.monotonic() - started
         except StepFailure as failure:  # these alone; the rest of the step runs again
             for request_id, error in failure.errors.items():
                 refusal = step_failure(request_id, error, "prefilling")
@@ -271,7 +277,9 @@ class PrefillNode(NodeRuntime):
                 self._fail(request_id, "engine error while prefilling", 500)
             return
         for write in step.writes:
-            self._write(write)
+            self._write(write, pace_s)
+        if step.progress:
+            self.send(PromptProgress(self.node_id, step.progress))
         sampled: dict[str, list[FirstToken]] = {}
         for first in step.first_tokens:
             sampled.setdefault(first.prompt_id, []).append(first)

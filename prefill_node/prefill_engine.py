@@ -51,8 +51,12 @@ class BlockWrite:
 
 @dataclass
 class PrefillStep:
+    """`progress`: prompt tokens computed so far of the prompts the step advanced without
+    finishing (engine/outputs.py EngineStep.prompt_progress)."""
+
     writes: list[BlockWrite] = field(default_factory=list)
     first_tokens: list[FirstToken] = field(default_factory=list)
+    progress: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,6 +79,7 @@ class PrefillEngine:
         dst_block_ids: list[int],
         priority: int = 0,
         choices: list[tuple[str, SamplingParams]] | None = None,
+        group: str | None = None,
     ) -> None:
         """Raises ValueError for a bad request, or when the decode node reserved a number of
         blocks that does not match the prompt."""
@@ -91,6 +96,7 @@ class PrefillEngine:
             priority,
             export_prompt_blocks=True,
             choices=[(c, _first_only(p)) for c, p in choices] if choices else None,
+            group=group,
         )
         self.outgoing[request_id] = _Outgoing(list(dst_block_ids))
         self.prompt_of.update((c, request_id) for c, _ in choices or [])
@@ -99,7 +105,7 @@ class PrefillEngine:
         """One engine step: the block writes it made ready (to issue before the first tokens
         are announced), then the first tokens it sampled."""
         engine_step = self.engine.step()
-        result = PrefillStep()
+        result = PrefillStep(progress=engine_step.prompt_progress)
         for request_id, src in engine_step.exported_blocks.items():
             outgoing = self.outgoing[request_id]
             start = len(outgoing.held_block_ids)

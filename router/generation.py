@@ -199,7 +199,8 @@ class Generation:
     def _submit(self, group: ChoiceGroup) -> None:
         try:
             self.client.submit_choices(
-                group.prompt_id, group.prompt, group.choices, self.queue, self.plan.priority
+                group.prompt_id, group.prompt, group.choices, self.queue, self.plan.priority,
+                self.request_id,
             )
         except KeyError:
             raise  # a bug, not a missing node (KeyError is a LookupError)

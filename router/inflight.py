@@ -5,7 +5,8 @@ A request is tracked from `add()` (once its Generate was sent, router/node_clien
 `forget()`: its last token was delivered, it failed, or it was aborted. Until its first token
 is delivered (`started`) it waits in the prompt queue of the node computing its prompt
 (router/queue_delay.py); the table takes it out of that queue when it starts, when its attempt
-is given up, and when it is forgotten.
+is given up, and when it is forgotten. While the node computes its prompt in chunks, the
+node's PromptProgress moves it from waiting to computing there (`progress`).
 
 Ids: the nodes know a request by its wire id, the request's own id for the first attempt and
 `<id>~<attempt>` for a retry, so nothing of an attempt given up can be mistaken for the
@@ -42,6 +43,7 @@ class InFlight:
     node: NodeState
     prefill: NodeState | None = None
     queued_at: NodeState | None = None  # the node computing its prompt, until it starts
+    prompt_id: str | None = None  # the id its prompt is computed under, shared with siblings
     started: bool = False  # whether any token (or failure) arrived yet
     next_offset: int = 0
     early: dict[int, TokenUpdate] = field(default_factory=dict)
@@ -57,6 +59,9 @@ class InFlightTable:
         self.clock = clock
         self.entries: dict[str, InFlight] = {}
         self.retry_ids: dict[str, str] = {}  # a retry's wire id -> the request's id
+        # a choice group's prompt id -> its choices still waiting for their first token (the
+        # first one counts the prompt's tokens)
+        self.prompt_ids: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -84,11 +89,29 @@ class InFlightTable:
         prefill: NodeState | None,
         computing: NodeState,
         num_tokens: int,
+        prompt_id: str | None = None,
     ) -> None:
         """The request went to `node`, naming `prefill`; it waits in `computing`'s prompt
-        queue, with `num_tokens` prompt tokens to compute, until it starts."""
+        queue, with `num_tokens` prompt tokens to compute, until it starts. `prompt_id`: the
+        id of the choice group whose prompt this entry counts (router/choice_groups.py)."""
         entry.node, entry.prefill, entry.queued_at = node, prefill, computing
         self.prompt_queues.add(computing, request_id, num_tokens, self.clock())
+        if prompt_id is not None:
+            entry.prompt_id = prompt_id
+            self.prompt_ids.setdefault(prompt_id, []).append(request_id)
+
+    def progress(self, wire_id: str, num_computed: int) -> None:
+        """The node computing the prompt sent under `wire_id` (a request's, or a choice
+        group's: then each of its choices) has computed `num_computed` of its tokens."""
+        for request_id in self.prompt_ids.get(wire_id, [wire_id]):
+            found = self.lookup(request_id)
+            if found is None:
+                continue
+            request_id, entry = found
+            if not entry.started and entry.queued_at is not None:
+                self.prompt_queues.progress(
+                    entry.queued_at, request_id, num_computed, self.clock()
+                )
 
     def lookup(self, wire_id: str) -> tuple[str, InFlight] | None:
         """The request a node message is about, unless it is about an attempt given up."""
@@ -120,6 +143,7 @@ class InFlightTable:
         entry = self.entries.pop(request_id, None)
         if entry is None:
             return None
+        self._leave_prompt(entry, request_id)
         if not entry.started:
             entry.started = True  # no token can reach the client any more
             if entry.queued_at is not None:
@@ -133,6 +157,7 @@ class InFlightTable:
         request leaves the prompt queue it waited in."""
         if entry.prefill is not None:
             entry.failed_prefills.add(entry.prefill.address)
+        self._leave_prompt(entry, request_id)  # a retried choice is sent alone
         if entry.queued_at is not None:
             self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
 
@@ -158,5 +183,15 @@ class InFlightTable:
     def _start(self, request_id: str, entry: InFlight) -> None:
         if not entry.started:
             entry.started = True
+            self._leave_prompt(entry, request_id)
             if entry.queued_at is not None:
                 self.prompt_queues.started(entry.queued_at, request_id, self.clock())
+
+    def _leave_prompt(self, entry: InFlight, request_id: str) -> None:
+        """The choice no longer waits for its group's prompt (started, retried alone, gone)."""
+        siblings = self.prompt_ids.get(entry.prompt_id) if entry.prompt_id else None
+        if siblings is not None:
+            siblings.remove(request_id)
+            if not siblings:
+                del self.prompt_ids[entry.prompt_id]
+        entry.prompt_id = None

@@ -52,7 +52,7 @@ from pdserve.router.errors import APIError
 from pdserve.router.inflight import InFlight, InFlightTable
 from pdserve.router.node_links import NodeLinks
 from pdserve.router.node_registry import NodeRegistry, NodeState
-from pdserve.router.queue_delay import PromptQueues
+from pdserve.router.queue_delay import PromptQueues, QueueDelay
 from pdserve.router.routing import PrefillRouter, pick_decode_node
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import (
@@ -60,6 +60,7 @@ from pdserve.wire.messages import (
     Generate,
     Heartbeat,
     NodeStats,
+    PromptProgress,
     ProtocolError,
     RequestFailed,
     TokenBatch,
@@ -175,11 +176,13 @@ class NodeClient:
         choices: list[tuple[str, dict[str, Any]]],
         queue: asyncio.Queue | None = None,
         priority: int = 0,
+        group: str | None = None,
     ) -> asyncio.Queue:
         """`submit` for n choices (id, sampling) of one prompt: ONE Generate, under
         `prompt_id`, carrying them (router/choice_groups.py); each choice is then a request
         of its own here (its updates, abort and retry, by its id). One choice travels as a
-        plain Generate under its own id."""
+        plain Generate under its own id. `group`: the client request it belongs to (the
+        engine's fair share, engine/request_share.py)."""
         node = self.live_node()
         if node is None:
             raise LookupError("no live node")
@@ -189,7 +192,9 @@ class NodeClient:
         queue = queue if queue is not None else asyncio.Queue()
         entries = {
             choice_id: InFlight(
-                queue, node, request=Generate(choice_id, prompt_ids, sampling, priority=priority)
+                queue,
+                node,
+                request=Generate(choice_id, prompt_ids, sampling, priority=priority, group=group),
             )
             for choice_id, sampling in choices
         }
@@ -206,12 +211,12 @@ class NodeClient:
                 prefill_address=prefill.address if prefill is not None else None,
                 priority=priority,
                 choices=[Choice(choice_id, sampling) for choice_id, sampling in choices],
+                group=group,
             )
             self._send_message(node, message, prefill)
             for index, (choice_id, entry) in enumerate(entries.items()):  # the prompt, once
-                self.inflight.sent(
-                    choice_id, entry, node, prefill, computing, num_tokens if index == 0 else 0
-                )
+                tokens = num_tokens if index == 0 else 0
+                self.inflight.sent(choice_id, entry, node, prefill, computing, tokens, prompt_id)
         for choice_id, entry in entries.items():
             self.inflight.add(choice_id, entry)
         return queue
@@ -230,17 +235,35 @@ class NodeClient:
         prefill, cached = self.prefill_router.pick(fresh, prompt)
         return prefill, prefill, len(prompt) - cached
 
+    def check_overload(self) -> None:
+        """429 before a request is read or tokenized, when every node that could compute its
+        prompt predicts a queue delay past the bound even for an empty prompt (a lower bound
+        of the check at submit, so it refuses nothing that check would admit): under a burst
+        a refusal then costs the same however many requests wait to be tokenized."""
+        node = self.live_node() if self.max_queue_delay_s is not None else None
+        if node is None:
+            return  # no bound, or no node: the route answers 503 later
+        candidates = self.registry.live("prefill") if node.role == "decode" else [node]
+        now = self.clock()
+        delays = [(self.prompt_queues.delay(n, 0, now), n) for n in candidates]
+        if delays and all(d is not None and d.seconds > self.max_queue_delay_s for d, _ in delays):
+            delay, least_loaded = min(delays, key=lambda pair: pair[0].seconds)
+            raise self._overloaded(least_loaded, delay)
+
     def _check_queue_delay(self, node: NodeState, num_tokens: int) -> None:
         if self.max_queue_delay_s is None:
             return
         delay = self.prompt_queues.delay(node, num_tokens, self.clock())
         if delay is not None and delay.seconds > self.max_queue_delay_s:
-            raise APIError(
-                429,
-                f"The server is overloaded: {delay.describe(node)}, more than the "
-                f"{self.max_queue_delay_s:g} s a request may wait to start. Try again later.",
-                code="rate_limit_exceeded",
-            )
+            raise self._overloaded(node, delay)
+
+    def _overloaded(self, node: NodeState, delay: QueueDelay) -> APIError:
+        return APIError(
+            429,
+            f"The server is overloaded: {delay.describe(node)}, more than the "
+            f"{self.max_queue_delay_s:g} s a request may wait to start. Try again later.",
+            code="rate_limit_exceeded",
+        )
 
     def _send(
         self,
@@ -329,6 +352,10 @@ class NodeClient:
         elif isinstance(message, TokenBatch):
             for update in message.updates:
                 self.inflight.deliver(update)
+        elif isinstance(message, PromptProgress):
+            for wire_id, num_computed in message.computed.items():
+                if isinstance(num_computed, int) and not isinstance(num_computed, bool):
+                    self.inflight.progress(wire_id, num_computed)
         elif isinstance(message, RequestFailed):
             found = self.inflight.lookup(message.request_id)
             if found is None:

@@ -1,18 +1,23 @@
 """How long a new request would wait before its prompt is computed, per node that computes
 prompts (a prefill node, or a colocated node), and the router's early refusal built on it.
 
-The router keeps, per such node, the requests it sent there that have not started yet (no
-token back) with their uncached prompt tokens and the time each was sent. A request waiting
-for free KV blocks on a decode node counts toward its prefill node: it has not started either.
+The router keeps, per such node, the requests it sent there that have no token back yet,
+with their uncached prompt tokens and the time each was sent. Each is in one of two states:
+  waiting     sent, not yet computing (queued on the node, or waiting for free KV blocks on a
+              decode node: that counts toward its prefill node, it has not started either);
+  computing   the node reported a chunk of its prompt computed (PromptProgress): it is being
+              served; only its prompt tokens not computed yet still count as backlog.
+It leaves at its first token, failure or abort.
 A new request's predicted queue delay at a node is the larger of
-  backlog     (queued prompt tokens + its own) / the node's drain speed, and
-  oldest age  how long the oldest request still waiting there has waited. This term catches
-              every bottleneck the backlog term cannot see (no free decode blocks, a slow or
-              stalled node): once the oldest waiter is older than the bound, new requests are
-              refused until the queue moves again.
-The drain speed is what the router observes (`DrainMeter`): prompt tokens of the requests
-that started per second of time the node's queue was not empty, over the last
-`DRAIN_HORIZON_S` seconds of such time. It includes every cost on the way to the first token
+  backlog     (prompt tokens still to compute + its own) / the node's drain speed, and
+  oldest age  how long the oldest request still waiting (not computing) there has waited.
+              This term catches every bottleneck the backlog term cannot see (no free decode
+              blocks, a slow or stalled node): once the oldest waiter is older than the bound,
+              new requests are refused until the queue moves again. A long prompt being
+              prefilled for minutes on a busy host is progress, not a stall: it never counts.
+The drain speed is what the router observes (`DrainMeter`): prompt tokens computed (reported
+chunks, and the rest of a prompt at its first token) per second of time the node's queue was
+not empty, over the last `DRAIN_HORIZON_S` seconds of such time. It includes every cost on the way to the first token
 (scheduling, transfers, a busy host) and averages over the clusters in which a batched prefill
 step starts many requests at once; idle time is no evidence and does not count. Until it has
 seen `MIN_DRAIN_TOKENS` start over `MIN_DRAIN_S` of busy time (a few short requests measure
@@ -85,21 +90,53 @@ class DrainMeter:
         return self._tokens_after_first / span_s
 
 
+@dataclass
+class QueuedPrompt:
+    num_tokens: int  # the uncached prompt tokens the router expects the node to compute
+    sent_at: float
+    num_computed: int = 0  # of those, computed so far (PromptProgress)
+
+    @property
+    def num_left(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
 class PromptQueues:
-    """Per computing node: request id -> (uncached prompt tokens, time sent), oldest first,
-    and the node's `DrainMeter`. Every change says when it happened (`now`), so the meters
-    count the time each queue was not empty."""
+    """Per computing node: its waiting requests (request id -> QueuedPrompt, oldest first),
+    its computing ones, and its `DrainMeter`. Every change says when it happened (`now`), so
+    the meters count the time each queue was not empty."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, OrderedDict[str, tuple[int, float]]] = {}
+        self._waiting: dict[str, OrderedDict[str, QueuedPrompt]] = {}
+        self._computing: dict[str, dict[str, QueuedPrompt]] = {}
         self._tokens: dict[str, int] = {}
         self._meters: dict[str, DrainMeter] = {}
         self._last_change: dict[str, float] = {}
 
     def add(self, node: NodeState, request_id: str, num_tokens: int, now: float) -> None:
         self._advance(node, now)
-        self._queues.setdefault(node.address, OrderedDict())[request_id] = (num_tokens, now)
+        waiting = self._waiting.setdefault(node.address, OrderedDict())
+        waiting[request_id] = QueuedPrompt(num_tokens, now)
         self._tokens[node.address] = self._tokens.get(node.address, 0) + num_tokens
+
+    def progress(self, node: NodeState, request_id: str, num_computed: int, now: float) -> None:
+        """The node has computed `num_computed` of the request's uncached prompt tokens (as
+        it reports them; bounded here by what the router counted). The request is computing
+        from now on."""
+        self._advance(node, now)
+        waiting = self._waiting.get(node.address)
+        prompt = waiting.pop(request_id, None) if waiting is not None else None
+        if prompt is not None:
+            self._computing.setdefault(node.address, {})[request_id] = prompt
+        else:
+            prompt = self._computing.get(node.address, {}).get(request_id)
+            if prompt is None:
+                return
+        done = max(0, min(num_computed, prompt.num_tokens)) - prompt.num_computed
+        if done > 0:
+            prompt.num_computed += done
+            self._tokens[node.address] -= done
+            self._meters.setdefault(node.address, DrainMeter()).count(done)
 
     def started(self, node: NodeState, request_id: str, now: float) -> None:
         """The request's first token came back: its prompt was computed (idempotent)."""
@@ -118,20 +155,27 @@ class PromptQueues:
         """Counts the time since the queue's last change, if it was not empty meanwhile."""
         last = self._last_change.get(node.address)
         self._last_change[node.address] = now
-        if last is not None and self._queues.get(node.address) and now > last:
+        if last is not None and self._holds_any(node) and now > last:
             self._meters.setdefault(node.address, DrainMeter()).advance(now - last)
 
+    def _holds_any(self, node: NodeState) -> bool:
+        return bool(self._waiting.get(node.address) or self._computing.get(node.address))
+
     def _pop(self, node: NodeState, request_id: str) -> int | None:
-        queue = self._queues.get(node.address)
-        entry = queue.pop(request_id, None) if queue is not None else None
-        if entry is None:
+        prompt = None
+        for queues in (self._waiting, self._computing):
+            queue = queues.get(node.address)
+            if queue is not None and prompt is None:
+                prompt = queue.pop(request_id, None)
+        if prompt is None:
             return None
-        self._tokens[node.address] -= entry[0]
-        return entry[0]
+        self._tokens[node.address] -= prompt.num_left
+        return prompt.num_left
 
     def forget(self, node: NodeState) -> None:
         """The node went down or restarted: its queue is gone (its meter is kept)."""
-        self._queues.pop(node.address, None)
+        self._waiting.pop(node.address, None)
+        self._computing.pop(node.address, None)
         self._tokens.pop(node.address, None)
         self._last_change.pop(node.address, None)
 
@@ -139,7 +183,8 @@ class PromptQueues:
         return self._tokens.get(node.address, 0)
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        queues = [*self._waiting.values(), *self._computing.values()]
+        return sum(len(q) for q in queues)
 
     def speed(self, node: NodeState) -> float:
         """Prompt tokens per second the node's queue drains at (0.0: not known)."""
@@ -152,11 +197,11 @@ class PromptQueues:
     def delay(self, node: NodeState, num_tokens: int, now: float) -> QueueDelay | None:
         """The predicted queue delay of a new request of `num_tokens` at `node`; None when
         nothing waits there (an empty queue always admits)."""
-        queue = self._queues.get(node.address)
-        if not queue:
+        if not self._holds_any(node):
             return None
         queued = self.tokens(node) + num_tokens
         speed = self.speed(node)
         backlog_s = queued / speed if speed > 0 else 0.0
-        oldest_age_s = max(now - next(iter(queue.values()))[1], 0.0)
+        waiting = self._waiting.get(node.address)
+        oldest_age_s = max(now - next(iter(waiting.values())).sent_at, 0.0) if waiting else 0.0
         return QueueDelay(max(backlog_s, oldest_age_s), queued, speed, oldest_age_s)

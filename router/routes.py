@@ -1,7 +1,8 @@
 """The router's HTTP handlers, plain functions that find their app's state as
 `request.app.state.router` (router/state.py); `create_app` (router/app.py) registers them.
 
-Request flow of the completions routes: admission queue full (429, before any parsing or
+Request flow of the completions routes: admission queue full, or every node that could
+compute the prompt already past the queue-delay bound (429, before any parsing or
 tokenization) -> read the body (413/400; the server bounds how long it may take) -> validate
 (400: types, then parameters not implemented, router/unsupported.py; unknown fields logged)
 -> model (404) -> (chat) prompt characters vs. context (400, without tokenizing:
@@ -49,6 +50,7 @@ async def completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
     state.admission.check_room()
+    state.client.check_overload()
     data = await read_json_object(request, config.max_body_bytes)
     req = parse_request(state, CompletionRequest, data, "/v1/completions")
     check_model(req.model, config.model_names)
@@ -62,6 +64,7 @@ async def chat_completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
     state.admission.check_room()
+    state.client.check_overload()
     data = await read_json_object(request, config.max_body_bytes)
     req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")
     check_model(req.model, config.model_names)

@@ -7,7 +7,9 @@ or unknown (receivers log and drop such messages; they never crash on them).
 
 Flows, colocated mode:
   router -> node     Generate, Abort
-  node -> router     TokenBatch (after every engine step that produced tokens), RequestFailed,
+  node -> router     TokenBatch (after every engine step that produced tokens), PromptProgress
+                     (after every step that computed a chunk of a prompt without finishing it),
+                     RequestFailed,
                      NodeStats (between engine steps, every heartbeat interval; with its listen
                      address it registers a node the router did not know; a new `instance_id`
                      under a known node id means the node was restarted; `num_leaked_blocks`
@@ -19,7 +21,8 @@ Disaggregated mode adds:
   router -> prefill  Abort (the router aborts a request on both nodes)
   decode -> prefill  PrefillRequest (prompt, sampling, the reserved target blocks, the decode
                      node's KV descriptor, seconds left before the transfer's deadline)
-  prefill -> router  TokenBatch with the first token (offset 0), RequestFailed, NodeStats
+  prefill -> router  TokenBatch with the first token (offset 0), PromptProgress, RequestFailed,
+                     NodeStats
   prefill -> decode  PrefillDone (the first token) once the prompt's last chunk has been written
   decode -> router   TokenBatch with the following tokens (offsets from 1), RequestFailed
 Token updates carry their `offset` among the request's output tokens, so the router restores
@@ -73,7 +76,9 @@ class Generate:
     `prefill_address` (to a decode node), that prefill node computes the prompt. Lower
     `priority` is served first (engine.sequence_queue). With `choices` (2 to
     MAX_CHOICES_PER_PROMPT), the prompt is computed once under `request_id` with `sampling`
-    (the first choice's) and forked into the choices, each sampled with its own settings."""
+    (the first choice's) and forked into the choices, each sampled with its own settings.
+    `group` names the client request the prompt belongs to: the engine's fair share counts
+    the sequences of one group together (engine/request_share.py)."""
 
     type: ClassVar[str] = "generate"
     request_id: str
@@ -82,6 +87,7 @@ class Generate:
     prefill_address: str | None = None
     priority: int = 0
     choices: list[Choice] = field(default_factory=list)
+    group: str | None = None
 
 
 @dataclass
@@ -100,6 +106,7 @@ class PrefillRequest:
     deadline_s: float
     priority: int = 0
     choices: list[Choice] = field(default_factory=list)
+    group: str | None = None  # as Generate's
 
 
 @dataclass
@@ -148,6 +155,17 @@ class TokenBatch:
     type: ClassVar[str] = "token_batch"
     node_id: str
     updates: list[TokenUpdate] = field(default_factory=list)
+
+
+@dataclass
+class PromptProgress:
+    """Node -> router: how many prompt tokens (beyond the prefix cache's) are computed so far,
+    by request id, for the prompts a step advanced without finishing. A request being
+    prefilled is being served, not waiting (router/queue_delay.py)."""
+
+    type: ClassVar[str] = "prompt_progress"
+    node_id: str
+    computed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -216,6 +234,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Generate,
         Abort,
         TokenBatch,
+        PromptProgress,
         RequestFailed,
         NodeStats,
         PrefillRequest,

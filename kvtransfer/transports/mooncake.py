@@ -1,8 +1,9 @@
 """mooncake: across hosts, CPU. The decode node registers its whole KV buffer with a Mooncake
 transfer engine once (kvtransfer/transports/mooncake_engine.py) and publishes, in its descriptor,
 the engine's session id (the channel's host and the engine's handshake port) and the buffer's
-address. The prefill node starts an engine of its own, registers its KV buffer, and writes each
-step's blocks straight into the decode node's buffer: one batched Mooncake write per step (per
+address. The prefill node starts an engine of its own, registering nothing (a stranger who
+reaches its ports finds no memory to read), and writes each step's blocks from its KV buffer
+straight into the decode node's buffer: one batched Mooncake write per step (per
 1,024 segments where a step has more), one segment per (layer, key or value, run of consecutive
 block ids), adjacent segments merged. Then it tells the decode node which blocks and layers
 landed (Written), as shm does; the control messages stay on the ZeroMQ channel.
@@ -13,6 +14,10 @@ after its deadline has passed; that grace is at least Mooncake's write timeout, 
 step's write can still be landing (mooncake_engine.WRITE_TIMEOUT_S).
 
 Host memory only: the non-CUDA Mooncake build reads and writes CPU buffers.
+
+Who else can touch the KV: each engine answers only on its node's advertised host, and the
+decode node's registered buffer is open to any process that reaches that host's Mooncake ports
+(no secret covers them): mooncake_engine's docstring says what holds and what does not.
 """
 
 from __future__ import annotations
@@ -111,8 +116,10 @@ class MooncakeSenderTransport(SenderTransport):
         check_host_memory(kv_cache.buffer.device, "prefill", kv_cache.buffer.is_contiguous())
         handle = descriptor.handle
         session, address, nbytes = handle.get("session"), handle.get("address"), handle.get("bytes")
-        if not isinstance(session, str) or not isinstance(address, int) or not isinstance(
-            nbytes, int
+        if (
+            not isinstance(session, str)
+            or not isinstance(address, int)
+            or not isinstance(nbytes, int)
         ):
             raise TypeError("the mooncake descriptor lacks its session id, address and size")
         if handle.get("protocol") != PROTOCOL:
@@ -122,14 +129,9 @@ class MooncakeSenderTransport(SenderTransport):
             )
         if nbytes != descriptor.num_blocks * descriptor.spec.bytes_per_block:
             raise ValueError(f"the mooncake buffer's {nbytes:,} bytes do not match its block count")
-        engine = MooncakeEngine(local_address_toward(session.rsplit(":", 1)[0].strip("[]")))
-        try:
-            buffer = kv_cache.buffer
-            engine.register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
-        except BaseException:
-            engine.close()
-            raise
-        self._engine = engine
+        # Its source memory stays unregistered (TCP needs no registration to send from), so
+        # this engine serves nothing to a peer that reaches its ports.
+        self._engine = MooncakeEngine(local_address_toward(session.rsplit(":", 1)[0].strip("[]")))
         self._peer_session = session
         self._remote_address = address
         self._remote_blocks = descriptor.num_blocks
@@ -160,8 +162,10 @@ class MooncakeSenderTransport(SenderTransport):
                         plane, self._remote_blocks, run.dst_start
                     )
                     length = run.length * self._run_bytes
-                    if lengths and sources[-1] + lengths[-1] == source and (
-                        targets[-1] + lengths[-1] == target
+                    if (
+                        lengths
+                        and sources[-1] + lengths[-1] == source
+                        and (targets[-1] + lengths[-1] == target)
                     ):
                         lengths[-1] += length
                         continue

@@ -11,9 +11,24 @@ An engine started here uses the peer-to-peer handshake: no metadata server; a pe
 its session id, `HOST:RPC_PORT`, and a write to it first fetches the peer's registered buffers
 over that RPC port. Each engine listens on two TCP ports (that RPC port and its TCP transport's),
 which Mooncake picks at random in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (15000-17000 unless set in
-the process's environment before the library loads) and binds on every interface. Neither is
-authenticated: whoever reaches them can write into the registered buffer (within its bounds:
-the receiving engine refuses addresses outside it).
+the process's environment before the library loads).
+
+Who can reach them. Mooncake (0.3.13) binds both ports on every interface (INADDR_ANY and a
+dual-stack [::]; no setting changes that: MC_TCP_BIND_ADDRESS only names the host in its
+metadata) and authenticates neither: its RPC port hands the list of registered buffers to
+anyone who asks, and its TCP port serves reads and writes of any range inside them. So each
+engine pdserve starts is confined here instead (`confine_to_host`): a classic BPF socket filter
+on both listening sockets drops every packet not addressed to the engine's host (the host of
+the node's advertised address: 127.0.0.1 by default), which is what binding to that address
+would do, and connections accepted before the filter are closed. `ss -ltn` still shows
+0.0.0.0/[::]; a stranger's SYN to another address of the machine goes unanswered. And only the
+decode node registers memory (its KV buffer, which the prefill node writes into): a sender's
+source needs no registration over TCP, so a prefill node's engine serves nothing. What holds,
+then: nothing is readable or writable off a node's advertised address, nothing at all on a
+prefill node, and the decode node's KV buffer is readable and writable (within its bounds) by
+any process that reaches its advertised address (every process of the host on loopback): the
+cluster secret cannot cover that; the network around that address must
+(docs/operations.md, KV transports).
 
 A write blocks its caller (the GIL released) until the peer acknowledged every byte, or fails
 fast when the peer's process is gone (connection refused or reset), or after WRITE_TIMEOUT_S
@@ -30,6 +45,8 @@ import os
 import socket
 import threading
 from typing import Any
+
+from pdserve.kvtransfer.transports.host_confinement import confine_to_host, listening_ports
 
 PROTOCOL = "tcp"
 WRITE_TIMEOUT_S = 5  # Mooncake's minimum for MC_TRANSFER_TIMEOUT
@@ -104,20 +121,33 @@ def local_address_toward(host: str) -> str:
 
 
 class MooncakeEngine:
-    """One TransferEngine with the memory it registered; `close()` waits for a write in progress
-    (at most its timeout), unregisters the memory and stops the engine (about a second: Mooncake
-    joins its threads)."""
+    """One TransferEngine, its ports confined to `host` (confine_to_host), with the memory it
+    registered; `close()` waits for a write in progress (at most its timeout), unregisters the
+    memory and stops the engine (about a second: Mooncake joins its threads)."""
 
     def __init__(self, host: str) -> None:
         engine_class = transfer_engine_class()
         os.environ["MC_TRANSFER_TIMEOUT"] = str(WRITE_TIMEOUT_S)  # read by each new engine
         self._engine = engine_class()
+        listening_before = listening_ports()
         status = self._engine.initialize(host, HANDSHAKE, PROTOCOL, "")
         if status != 0:
             raise RuntimeError(
                 f"Mooncake's transfer engine did not start on {host!r} (status {status}; "
                 "its ports come from MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)"
             )
+        # The RPC port and the TCP transport's: the listeners initialize() opened.
+        self.ports = listening_ports() - listening_before
+        try:
+            if self._engine.get_rpc_port() not in self.ports:
+                raise RuntimeError(
+                    f"Mooncake's RPC port {self._engine.get_rpc_port()} is not among the ports "
+                    f"its engine opened here ({sorted(self.ports)})"
+                )
+            confine_to_host(self.ports, host)
+        except BaseException:
+            self._engine = None  # stops it: no port stays open unconfined
+            raise
         self.host = host
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []

@@ -182,6 +182,30 @@ def test_report_marks_requests_that_died_after_a_token():
     assert "**Died after a token: 1 requests (must be 0); see below.**" in text
 
 
+def test_loaded_host_rows_are_labelled_explained_and_compared_with_their_idle_run():
+    result = _result(died=0)
+    idle = result["deployments"]["1p1d"]
+    idle.update(deployment="1p1d", loaded_host=False, busy_processes=0)
+    idle["load_average"] = {"before bursts": "0.50", "after bursts": "0.70"}
+    slower = {**idle["bursts"]["2"], "drain_s": 3.0}
+    result["deployments"]["1p1d (loaded host)"] = {
+        **idle,
+        "loaded_host": True,
+        "busy_processes": 2,
+        "load_average": {"before bursts": "0.60", "after bursts": "2.90"},
+        "bursts": {"2": slower},
+    }
+    text = markdown(result)
+    assert "| 1p1d (loaded host) | `pdserve serve --prefill 1 --decode 1` | loaded: 2 " in text
+    assert "| 1p1d | `pdserve serve --prefill 1 --decode 1` | idle | 0.50 / 0.70 |" in text
+    assert "one busy-looping Python process per usable core" in text
+    assert "at normal priority" in text
+    assert "| 1p1d (loaded host) | 2 | 2/2 |" in text
+    assert "| 1p1d (loaded host) / 1p1d | 2 | 2 vs 2 | 1.50x |" in text
+    assert "| 1p1d / colocated | 2 | 2 vs 2 | 2.00x |" in text
+    assert "Loaded host:" not in markdown(_result(died=0))
+
+
 def test_process_labels_name_the_router_and_each_node_without_the_port_suffix():
     assert process_label(["python", "-m", "pdserve.router", "--port", "8000"]) == "router"
     node = ["python", "-m", "pdserve.prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
@@ -197,6 +221,10 @@ def test_bad_flags_are_refused_with_the_value(capsys):
     assert "4p4d" in capsys.readouterr().err
     args = parse_args(["--server-arg=--max-queued-requests=8", "--bursts", "8"])
     assert args.server_arg == ["--max-queued-requests=8"] and args.bursts == [8]
+    assert args.loaded_host == "no"
+    assert parse_args(["--loaded-host", "also"]).loaded_host == "also"
+    with pytest.raises(SystemExit):
+        parse_args(["--loaded-host", "yes"])
 
 
 def test_the_client_records_every_kind_of_answer_once_in_request_order():

@@ -114,3 +114,26 @@ def test_a_preempted_disaggregated_request_recomputes_locally_with_identical_tok
     assert decode.scheduler.num_preemptions > 0
     check_clean(prefill)
     check_clean(decode)
+
+
+def test_each_chunk_of_a_long_prompt_reports_its_progress_beyond_the_cache(tiny_llama_dir):
+    """The node tells the router how far a prompt is (wire PromptProgress): each step that
+    computes a chunk without finishing the prompt names it with its tokens computed beyond
+    the prefix-cache hit; the step that finishes it samples the first token instead."""
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=48)
+    )
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 500) for _ in range(130)]
+    for request_id, cached in (("cold", 0), ("warm", 16)):
+        # the warm prompt shares its first 16 tokens (one block) with the cold one
+        tokens = prompt if request_id == "cold" else prompt[:16] + prompt[::-1][16:]
+        engine.add_request(request_id, tokens, SamplingParams(max_tokens=1))
+        progress, outputs = [], []
+        while engine.has_unfinished_requests():
+            step = engine.step()
+            progress += [step.prompt_progress[request_id]] if step.prompt_progress else []
+            outputs += step.outputs
+        assert progress == [48, 96]  # chunks of 48 after the cache hit
+        assert [o.num_cached_tokens for o in outputs] == [cached]
+    check_clean(engine)

@@ -25,7 +25,7 @@ from pdserve.kvtransfer import (
     SenderConfig,
     TransferKind,
 )
-from pdserve.kvtransfer.ledger import TransferLedger
+from pdserve.kvtransfer.ledger import PACE_FACTOR, TransferLedger
 from pdserve.kvtransfer.messages import Begin, KVProtocolError, decode_header, encode_header
 from pdserve.kvtransfer.strategies import DirectWrite, Streamed
 from pdserve.kvtransfer.transports.base import plan_steps
@@ -89,9 +89,9 @@ def test_ledger_refuses_blocks_held_by_another_transfer_and_completes_on_every_l
     assert "another sender" in ledger.grant("a", b"x", now=1)
     assert "not granted to this sender" in ledger.check_write("a", b"x", [1], 0, 3)
     assert "not destination blocks" in ledger.check_write("a", b"w", [3], 0, 3)
-    ledger.record_write("a", [1, 2], 0, 2)
+    assert ledger.record_write("a", [1, 2], 0, 2, now=2) == 8  # no budget: a fixed deadline
     assert ledger.take_actions() == ([], [])
-    ledger.record_write("a", [1, 2], 2, 3)
+    assert ledger.record_write("a", [1, 2], 2, 3, now=3) == 0.0
     events, notices = ledger.take_actions()
     assert [e.kind for e in events] == [TransferKind.COMPLETE]
     assert [n[1].type for n in notices] == ["committed"]
@@ -144,12 +144,80 @@ def test_a_budgeted_transfer_waits_for_its_first_write_then_runs_its_own_clock()
     ledger.expire(65)
     events, _ = ledger.take_actions()
     assert [(e.transfer_id, e.kind) for e in events] == [("queued-long", TransferKind.FAILED)]
-    assert "within its 5.00 s deadline" in events[0].error
+    assert "made no progress for 5.00 s (0 of 1 block-layers arrived)" in events[0].error
     ledger.expire(100)
     events, _ = ledger.take_actions()
     failed = [e for e in events if e.kind is TransferKind.FAILED]
     assert [e.transfer_id for e in failed] == ["never-begun"]
     assert "did not start" in failed[0].error
+
+
+def test_a_budgeted_transfer_is_judged_by_its_progress_not_its_total_time():
+    """A long prompt's KV arrives chunk by chunk over minutes on a busy host: each write moves
+    the deadline to its arrival plus the budget, so only a transfer that stops making progress
+    fails, `budget_s` after its last write."""
+    ledger = TransferLedger(num_blocks=8, num_layers=2, strategy=DirectWrite(), release_grace_s=0.5)
+    ledger.expect("long", [1, 2, 3, 4], deadline=100, now=0, budget_s=5)
+    ledger.grant("long", b"w", now=10)
+    for block, now in ((1, 14), (2, 18), (3, 22)):  # 12 s in all, never 5 s without a write
+        ledger.expire(now)
+        assert ledger.record_write("long", [block], 0, 2, now=now) == 5
+    ledger.expire(26.9)
+    assert ledger.take_actions() == ([], [])
+    # a chunk whose forward took 4 s (a busy host): the next may take PACE_FACTOR times that
+    assert ledger.record_write("long", [4], 0, 1, now=26, pace_s=4) == PACE_FACTOR * 4
+    ledger.expire(26 + PACE_FACTOR * 4 - 0.1)
+    assert ledger.take_actions() == ([], [])
+    ledger.expire(26 + PACE_FACTOR * 4)
+    events, _ = ledger.take_actions()
+    assert [e.kind for e in events] == [TransferKind.FAILED]
+    assert "made no progress for 12.00 s (7 of 8 block-layers arrived)" in events[0].error
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_a_transfer_longer_than_its_budget_completes_while_each_chunk_lands_in_time(
+    transport, node_id
+):
+    """Both sides move their deadlines with each acknowledged write: five chunks 0.7 s apart
+    (about 3 s in all) complete under a 2 s budget, on the sender's side too."""
+    receiver, cache, sender, local = make_pair(transport, node_id)
+    try:
+        blocks = [3, 4, 5, 6, 7]
+        receiver.expect("req-long", blocks, time.monotonic() + 5, budget_s=2.0)
+        started = time.monotonic()
+        for index, block in enumerate(blocks):
+            sender.write("req-long", [index], [block])
+            time.sleep(0.7)
+        assert time.monotonic() - started > 2.0 + 1.0
+        assert sender.wait("req-long", 5).kind is TransferKind.COMPLETE
+        assert receiver.wait("req-long", 5).kind is TransferKind.COMPLETE
+        assert torch.equal(cache.buffer[:, :, blocks], local.buffer[:, :, : len(blocks)])
+    finally:
+        close_all(sender, receiver)
+
+
+def test_a_copy_step_that_raised_is_not_abandoned_its_blocks_wait_for_the_grace(
+    node_id, monkeypatch
+):
+    """A network write that timed out may still be landing: the sender fails the transfer
+    without Abandon, so the decode node reuses the blocks only after its deadline + grace."""
+    receiver, _, sender, _ = make_pair("shm", node_id, grace=0.3)
+
+    def timed_out(step, ready):
+        raise RuntimeError("the write timed out")
+
+    monkeypatch.setattr(sender.transport, "run_step", timed_out)
+    try:
+        deadline = time.monotonic() + 1.0
+        receiver.expect("req-late", [1, 2], deadline)
+        sender.write("req-late", [0, 1], [1, 2])
+        assert "timed out" in sender.wait("req-late", 3).error
+        receiver.abort("req-late")
+        assert receiver.wait("req-late", 5).kind is TransferKind.RELEASED
+        assert time.monotonic() >= deadline + 0.3
+        assert receiver.held_block_count() == 0
+    finally:
+        close_all(sender, receiver)
 
 
 def test_decode_abort_of_a_silent_granted_shm_transfer_releases_only_after_the_grace(node_id):

@@ -41,9 +41,10 @@ def test_one_generate_for_n_choices_and_each_choice_a_request_of_its_own():
 
     async def run():
         (group,) = choice_groups("g", plan([[1, 2, 3]], n=4))
-        queue = client.submit_choices(group.prompt_id, group.prompt, group.choices)
+        queue = client.submit_choices(group.prompt_id, group.prompt, group.choices, group="g")
         (sent,) = generates(sockets["d0"])
         assert sent.request_id == "g-p0" and sent.prefill_address == "tcp://p0"
+        assert sent.group == "g"  # the client request, for the engine's fair share
         assert [(c.request_id, c.sampling["seed"]) for c in sent.choices] == [
             ("g-0", 100), ("g-1", 101), ("g-2", 102), ("g-3", 103)
         ]

@@ -15,7 +15,7 @@ from pdserve.router.errors import APIError
 from pdserve.router.node_client import NodeClient
 from pdserve.router.node_registry import NodeState
 from pdserve.router.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
-from pdserve.wire.messages import RequestFailed, TokenBatch, TokenUpdate
+from pdserve.wire.messages import PromptProgress, RequestFailed, TokenBatch, TokenUpdate
 from tests.router.test_failover import FakeSocket, generates, stats
 
 PROMPT = list(range(100))  # 100 uncached tokens each
@@ -148,5 +148,76 @@ def test_a_started_request_leaves_the_queue_and_retries_are_not_judged_again():
         client.abort("c")
         assert len(client.prompt_queues) == 0
         assert all(client.prompt_queues.tokens(n) == 0 for n in client.nodes)
+
+    asyncio.run(run())
+
+
+def test_a_prompt_being_computed_is_served_not_waiting():
+    """A long prompt prefilled chunk by chunk for minutes on a busy host: its chunks drain the
+    backlog and measure the speed, and its age never counts as a stall; a prompt that
+    waits behind it still does."""
+    queues, p = PromptQueues(), node(speed=0.0)
+    queues.add(p, "long", 8_000, now=0.0)
+    queues.progress(p, "long", 2_000, now=10.0)
+    queues.progress(p, "long", 4_000, now=20.0)
+    queues.progress(p, "long", 3_000, now=21.0)  # out of order: nothing moves back
+    delay = queues.delay(p, 100, now=60.0)
+    assert delay.oldest_age_s == 0.0 and delay.queued_tokens == 4_100
+    assert queues.speed(p) == pytest.approx(4_000 / 21.0, rel=0.1)  # per busy second
+    assert delay.seconds == pytest.approx(4_100 / queues.speed(p))
+    queues.add(p, "behind", 100, now=60.0)
+    assert queues.delay(p, 100, now=90.0).oldest_age_s == pytest.approx(30.0)
+    queues.progress(p, "long", 10**9, now=90.0)  # bounded by what the router counted
+    assert queues.tokens(p) == 100
+    queues.started(p, "long", now=95.0)
+    assert queues.tokens(p) == 100 and len(queues) == 1
+
+
+def test_prompt_progress_from_a_node_reaches_the_request_its_choice_group_or_its_retry():
+    async def run():
+        client, _ = client_with("p", "d", max_queue_delay_s=3.0)
+        queue: asyncio.Queue = asyncio.Queue()
+        client.submit("a", PROMPT, {"max_tokens": 4}, queue)  # 100 tokens at 100 tokens/s
+        client.submit_choices(
+            "g", [5, *PROMPT], [("g-0", {"max_tokens": 4}), ("g-1", {"max_tokens": 4})], queue
+        )
+        prefill = next(n for n in client.nodes if n.role == "prefill")
+        assert client.prompt_queues.tokens(prefill) == 201
+        client._dispatch(PromptProgress("p", {"a": 60, "g": 101, "unknown": 5, "x": "7"}))
+        assert client.prompt_queues.tokens(prefill) == 40
+        delay = client.prompt_queues.delay(prefill, 0, now=client.clock() + 100)
+        assert delay.oldest_age_s == 0.0  # both are being computed
+        client._dispatch(RequestFailed("a", "lost", 503))  # retried as a~1, waiting again
+        retried = client.prompt_queues.tokens(prefill)  # (the prefill node caches its prefix)
+        assert retried > 0
+        client._dispatch(PromptProgress("p", {"a": 100}))  # the attempt given up: ignored
+        assert client.prompt_queues.tokens(prefill) == retried
+        client._dispatch(PromptProgress("p", {"a~1": 1}))
+        assert client.prompt_queues.tokens(prefill) == retried - 1
+        firsts = [TokenUpdate(f"g-{i}", [7], None, offset=0) for i in range(2)]
+        client._dispatch(TokenBatch("p", firsts))
+        assert not client.inflight.prompt_ids
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("roles", [("p", "d"), ("c",)], ids=["disaggregated", "colocated"])
+def test_a_node_already_past_the_bound_refuses_before_the_request_is_read(roles):
+    """The route's first check (router/routes.py): once even an empty prompt would wait past
+    the bound at every node that could compute it, the request is refused before its body is
+    read or tokenized; while one node could still take it, nothing is refused early."""
+
+    async def run():
+        client, _ = client_with(*roles, max_queue_delay_s=1.5)
+        client.check_overload()  # empty queues always admit
+        client.submit("a", PROMPT, {"max_tokens": 4}, asyncio.Queue())  # 1 s of work queued
+        client.check_overload()  # 0 new tokens: 1 s < 1.5 s
+        computing = client.inflight.entries["a"].queued_at
+        client.prompt_queues.add(computing, "backlog", 100, client.clock())  # 2 s queued now
+        with pytest.raises(APIError) as refused:
+            client.check_overload()
+        assert refused.value.status == 429 and "200 prompt tokens queued" in refused.value.message
+        client.prompt_queues.remove(computing, "backlog", client.clock())
+        client.check_overload()
 
     asyncio.run(run())
