@@ -49,7 +49,7 @@ class FakeNode:
         client.abort = self.aborted.append
         return self
 
-    def submit_choices(self, prompt_id, prompt_ids, choices, queue=None, priority=0):
+    def submit_choices(self, prompt_id, prompt_ids, choices, queue=None, priority=0, group=None):
         if self.num_calls == self.fail_at:
             raise self.error
         self.num_calls += 1
