@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import resource
 import sys
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.bench.burst_report import markdown
-from pdserve.bench.burst_streams import StreamRecord, absorb_event, summarize
+from pdserve.bench.burst_streams import StreamRecord, absorb_event, stream_into, summarize
 from pdserve.bench.cpu_hog import busy_cores
 from pdserve.bench.server_processes import (
     sample_rss,
@@ -80,31 +81,16 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-async def _read(http: httpx.AsyncClient, body: dict, record: StreamRecord, start: float) -> None:
+async def _one(http: httpx.AsyncClient, body: dict, start: float, timeout_s: float) -> StreamRecord:
+    record = StreamRecord(sent_s=time.perf_counter() - start)
+
     async def trace(event: str, _info: dict) -> None:
         if event == "http11.send_request_body.complete":
             record.written_s = time.perf_counter() - start
 
+    absorb = functools.partial(absorb_event, record)
     extensions = {"trace": trace}
-    async with http.stream("POST", "/v1/completions", json=body, extensions=extensions) as response:
-        record.status = response.status_code
-        if response.status_code != 200:
-            record.body = " ".join((await response.aread()).decode(errors="replace").split())[:200]
-            return
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                absorb_event(record, line[5:].strip(), time.perf_counter() - start)
-
-
-async def _one(http: httpx.AsyncClient, body: dict, start: float, timeout_s: float) -> StreamRecord:
-    record = StreamRecord(sent_s=time.perf_counter() - start)
-    try:
-        await asyncio.wait_for(_read(http, body, record, start), timeout_s)
-    except TimeoutError:
-        record.timed_out = True
-    except Exception as error:  # noqa: BLE001 - one request's failure is a result, not a crash
-        record.exception = f"{type(error).__name__}: {error}"[:200]
-    record.end_s = time.perf_counter() - start
+    await stream_into(record, http, "/v1/completions", body, start, timeout_s, absorb, extensions)
     return record
 
 

@@ -1,15 +1,23 @@
 """What one streaming request of a burst saw (bench/burst.py), the one outcome it ends in,
-and a burst's summary: counts per outcome, TTFT and time to refusal, drain time."""
+and a burst's summary: counts per outcome, TTFT and time to refusal, drain time. The outcomes,
+the classification up to the first token and the streaming client serve bench/soak.py too."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.bench.serve_metrics import percentile
+
+if TYPE_CHECKING:
+    import httpx
 
 REFUSAL_STATUSES = (429, 503)
 
@@ -20,6 +28,19 @@ class Outcome(str, Enum):
     DIED = "died after a token"
     TIMED_OUT = "timed out"
     FAILED = "failed"
+
+
+class StreamedRequest(Protocol):
+    """What `stream_into` fills in and `outcome_before_a_token` reads of a request's record
+    (`StreamRecord` here, `SoakRecord` in bench/soak.py); times in seconds from a start."""
+
+    status: int | None  # None: no HTTP answer arrived
+    first_token_s: float | None
+    end_s: float
+    error_event: str
+    exception: str  # the connection failed, or was cut mid-stream
+    timed_out: bool
+    body: str  # the start of a non-200 answer
 
 
 @dataclass
@@ -66,11 +87,9 @@ def absorb_event(record: StreamRecord, data: str, now_s: float) -> None:
         record.usage_tokens = usage.get("completion_tokens")
 
 
-def classify(record: StreamRecord, expected_tokens: int) -> tuple[Outcome, str]:
-    """The request's one outcome and what, if not completed, ended it."""
-    tokens = record.tokens
-    if record.timed_out:
-        return Outcome.TIMED_OUT, f"after {tokens} tokens"
+def outcome_before_a_token(record: StreamedRequest) -> tuple[Outcome, str] | None:
+    """The outcome of a request that did not time out but ended without a 200 stream that sent
+    a token, and what ended it; None when it got such a stream (the caller judges the rest)."""
     if record.status is None:
         return Outcome.FAILED, f"no answer: {record.exception}"
     if record.status in REFUSAL_STATUSES:
@@ -83,6 +102,16 @@ def classify(record: StreamRecord, expected_tokens: int) -> tuple[Outcome, str]:
         if record.exception:
             return Outcome.FAILED, f"the stream broke before a token: {record.exception}"
         return Outcome.FAILED, "the stream ended without a token"
+    return None
+
+
+def classify(record: StreamRecord, expected_tokens: int) -> tuple[Outcome, str]:
+    """The request's one outcome and what, if not completed, ended it."""
+    tokens = record.tokens
+    if record.timed_out:
+        return Outcome.TIMED_OUT, f"after {tokens} tokens"
+    if (early := outcome_before_a_token(record)) is not None:
+        return early
     if record.error_event:
         return Outcome.DIED, f"error event after {tokens} tokens: {record.error_event}"
     if record.exception:
@@ -118,3 +147,38 @@ def summarize(records: list[StreamRecord], expected_tokens: int) -> dict:
 
 
 # -- the client --------------------------------------------------------------------------------
+
+
+async def stream_into(
+    record: StreamedRequest,
+    http: httpx.AsyncClient,
+    path: str,
+    body: dict,
+    start: float,
+    timeout_s: float,
+    absorb: Callable[[str, float], None],
+    extensions: dict | None = None,
+) -> None:
+    """POSTs `body` to `path` as one stream and hands `absorb` each SSE `data:` payload with its
+    time from `start` (perf_counter). Fills in the record's status, the start of a non-200
+    answer, timed_out (no end within `timeout_s`), the exception that ended it, and end_s;
+    never raises: one request's failure is a result, not a crash."""
+
+    async def read() -> None:
+        async with http.stream("POST", path, json=body, extensions=extensions) as response:
+            record.status = response.status_code
+            if response.status_code != 200:
+                answer = (await response.aread()).decode(errors="replace")
+                record.body = " ".join(answer.split())[:200]
+                return
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    absorb(line[5:].strip(), time.perf_counter() - start)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        record.timed_out = True
+    except Exception as error:  # noqa: BLE001 - one request's failure is a result, not a crash
+        record.exception = f"{type(error).__name__}: {error}"[:200]
+    record.end_s = time.perf_counter() - start

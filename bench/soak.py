@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.burst_streams import REFUSAL_STATUSES, Outcome
+from pdserve.bench.burst_streams import Outcome, outcome_before_a_token, stream_into
+from pdserve.bench.node_metrics import parse_metric, wait_for_clean_kv
 from pdserve.bench.serve_metrics import percentile
 from pdserve.bench.server_processes import server_processes
 from pdserve.bench.sweep import CONFIGS as DEPLOYMENTS
@@ -156,18 +156,8 @@ def classify(record: SoakRecord) -> tuple[Outcome, str]:
     """The request's one outcome and what, if not completed, ended it."""
     if record.timed_out:
         return Outcome.TIMED_OUT, "no end within the client timeout"
-    if record.status is None:
-        return Outcome.FAILED, f"no answer: {record.exception}"
-    if record.status in REFUSAL_STATUSES:
-        return Outcome.REFUSED, f"HTTP {record.status}"
-    if record.status != 200:
-        return Outcome.FAILED, f"HTTP {record.status}: {record.body}"
-    if record.first_token_s is None:
-        if record.error_event:
-            return Outcome.REFUSED, "error event"
-        if record.exception:
-            return Outcome.FAILED, f"the stream broke before a token: {record.exception}"
-        return Outcome.FAILED, "the stream ended without a token"
+    if (early := outcome_before_a_token(record)) is not None:
+        return early
     if record.error_event:
         return Outcome.DIED, f"error event after a token: {record.error_event[:120]}"
     if record.exception:
@@ -177,28 +167,11 @@ def classify(record: SoakRecord) -> tuple[Outcome, str]:
     return Outcome.COMPLETED, ""
 
 
-async def _read(http: httpx.AsyncClient, path: str, body: dict, record: SoakRecord, start: float):
-    async with http.stream("POST", path, json=body) as response:
-        record.status = response.status_code
-        if response.status_code != 200:
-            record.body = " ".join((await response.aread()).decode(errors="replace").split())[:200]
-            return
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                record.absorb(line[5:].strip(), time.perf_counter() - start)
-
-
 async def send_one(
     http: httpx.AsyncClient, kind: str, path: str, body: dict, start: float, timeout_s: float
 ) -> SoakRecord:
     record = SoakRecord(kind, body.get("n", 1), time.perf_counter() - start)
-    try:
-        await asyncio.wait_for(_read(http, path, body, record, start), timeout_s)
-    except TimeoutError:
-        record.timed_out = True
-    except Exception as error:  # noqa: BLE001 - one request's failure is a result, not a crash
-        record.exception = f"{type(error).__name__}: {error}"[:200]
-    record.end_s = time.perf_counter() - start
+    await stream_into(record, http, path, body, start, timeout_s, record.absorb)
     return record
 
 
@@ -219,16 +192,6 @@ async def client_loop(
 
 
 # -- what /metrics says about the nodes ---------------------------------------------------------
-
-
-def parse_metric(text: str, name: str) -> dict[str, float]:
-    """Node id -> value of one per-node metric."""
-    return {
-        sample.labels.get("node", ""): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 def node_label(node_id: str) -> str:
@@ -321,32 +284,6 @@ async def run_traffic(
 
 
 # -- the end: settle, then kill -9 ---------------------------------------------------------------
-
-
-def wait_for_clean_kv(url: str) -> dict:
-    """tests/fault_checks.assert_no_leaked_blocks as a measurement: every live node's KV usage 0
-    and leaked blocks 0 in every scrape for SETTLED_S (a node's stats may predate the end of its
-    requests or its first idle-time leak check), within SETTLE_TIMEOUT_S."""
-    start, clean_since, state = time.monotonic(), None, {}
-    while time.monotonic() - start < SETTLE_TIMEOUT_S:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        up = parse_metric(text, "pdserve_node_up")
-        usage = parse_metric(text, "pdserve_kv_cache_usage_ratio")
-        leaked = parse_metric(text, "pdserve_kv_leaked_blocks")
-        state = {
-            node: {"usage": usage.get(node), "leaked_blocks": leaked.get(node)}
-            for node, alive in up.items()
-            if alive == 1.0
-        }
-        now = time.monotonic()
-        if all(v == {"usage": 0.0, "leaked_blocks": 0.0} for v in state.values()):
-            clean_since = now if clean_since is None else clean_since
-            if now - clean_since >= SETTLED_S:
-                return {"clean": True, "waited_s": now - start, "nodes": state}
-        else:
-            clean_since = None
-        time.sleep(0.1)
-    return {"clean": False, "waited_s": time.monotonic() - start, "nodes": state}
 
 
 def kill_detection(url: str, launcher_pid: int) -> dict:
@@ -459,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             machine["load average, traffic end"] = load_average()
         say(f"traffic ended after {traffic_s:.0f} s, {len(records)} requests; settling")
-        settle = wait_for_clean_kv(server.url)
+        settle = wait_for_clean_kv(server.url, SETTLED_S, SETTLE_TIMEOUT_S)
         say(f"KV {'clean' if settle['clean'] else 'NOT clean'} after {settle['waited_s']:.1f} s")
         kill = kill_detection(server.url, server.process.pid)
         shown = f"{kill['detected_s']:.2f} s" if "detected_s" in kill else kill.get("error")

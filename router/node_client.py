@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pdserve.router.errors import APIError
@@ -97,6 +97,7 @@ class NodeClient:
         self.on_retry = on_retry
         self.clock = clock
         self.prompt_queues = PromptQueues()
+        self.num_arriving = 0  # requests between their admission checks and their submit
         self.prefill_router = prefill_router or PrefillRouter(self.prompt_queues)
         self.max_queue_delay_s = max_queue_delay_s
         self.max_retries = max_retries
@@ -237,18 +238,30 @@ class NodeClient:
 
     def check_overload(self) -> None:
         """429 before a request is read or tokenized, when every node that could compute its
-        prompt predicts a queue delay past the bound even for an empty prompt (a lower bound
-        of the check at submit, so it refuses nothing that check would admit): under a burst
-        a refusal then costs the same however many requests wait to be tokenized."""
+        prompt predicts a queue delay past the bound for the requests ahead of it: those
+        queued there, and those still being read and tokenized (`arriving`), each counted as
+        the mean prompt of recent submits, spread over the nodes. Under a burst a refusal then
+        costs the same however many requests wait to be tokenized."""
         node = self.live_node() if self.max_queue_delay_s is not None else None
         if node is None:
             return  # no bound, or no node: the route answers 503 later
         candidates = self.registry.live("prefill") if node.role == "decode" else [node]
         now = self.clock()
-        delays = [(self.prompt_queues.delay(n, 0, now), n) for n in candidates]
+        ahead = round(self.num_arriving * self.prompt_queues.mean_tokens / max(len(candidates), 1))
+        delays = [(self.prompt_queues.delay(n, ahead, now), n) for n in candidates]
         if delays and all(d is not None and d.seconds > self.max_queue_delay_s for d, _ in delays):
             delay, least_loaded = min(delays, key=lambda pair: pair[0].seconds)
             raise self._overloaded(least_loaded, delay)
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """A request from its admission checks to its submit (its body read and tokenized):
+        `check_overload` counts it meanwhile."""
+        self.num_arriving += 1
+        try:
+            yield
+        finally:
+            self.num_arriving -= 1
 
     def _check_queue_delay(self, node: NodeState, num_tokens: int) -> None:
         if self.max_queue_delay_s is None:

@@ -40,6 +40,7 @@ from pdserve.router.node_registry import NodeState
 DRAIN_HORIZON_S = 10.0
 MIN_DRAIN_S = 0.5
 MIN_DRAIN_TOKENS = 512
+MEAN_TOKENS_WEIGHT = 0.05  # of each new prompt in PromptQueues.mean_tokens
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,12 @@ class PromptQueues:
         self._tokens: dict[str, int] = {}
         self._meters: dict[str, DrainMeter] = {}
         self._last_change: dict[str, float] = {}
+        self.mean_tokens = 0.0  # of the prompts added lately (a moving average)
 
     def add(self, node: NodeState, request_id: str, num_tokens: int, now: float) -> None:
         self._advance(node, now)
+        weight = MEAN_TOKENS_WEIGHT if self.mean_tokens else 1.0
+        self.mean_tokens += weight * (num_tokens - self.mean_tokens)
         waiting = self._waiting.setdefault(node.address, OrderedDict())
         waiting[request_id] = QueuedPrompt(num_tokens, now)
         self._tokens[node.address] = self._tokens.get(node.address, 0) + num_tokens

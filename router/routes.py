@@ -2,8 +2,8 @@
 `request.app.state.router` (router/state.py); `create_app` (router/app.py) registers them.
 
 Request flow of the completions routes: admission queue full, or every node that could
-compute the prompt already past the queue-delay bound (429, before any parsing or
-tokenization) -> read the body (413/400; the server bounds how long it may take) -> validate
+compute the prompt already past the queue-delay bound, counting the requests still being read
+and tokenized (429, before any parsing or tokenization) -> read the body (413/400; the server bounds how long it may take) -> validate
 (400: types, then parameters not implemented, router/unsupported.py; unknown fields logged)
 -> model (404) -> (chat) prompt characters vs. context (400, without tokenizing:
 `max_chars_per_token`) -> in a worker thread, never on the event loop: parameter checks and
@@ -51,12 +51,14 @@ async def completions(request: Request) -> Response:
     config = state.config
     state.admission.check_room()
     state.client.check_overload()
-    data = await read_json_object(request, config.max_body_bytes)
-    req = parse_request(state, CompletionRequest, data, "/v1/completions")
-    check_model(req.model, config.model_names)
-    plan = await state.tokenizer_threads.run(
-        plan_completion, req, config, state.tokenizer, state.limits_now(), state.check_prompt_chars
-    )
+    with state.client.arriving():
+        data = await read_json_object(request, config.max_body_bytes)
+        req = parse_request(state, CompletionRequest, data, "/v1/completions")
+        check_model(req.model, config.model_names)
+        plan = await state.tokenizer_threads.run(
+            plan_completion, req, config, state.tokenizer, state.limits_now(),
+            state.check_prompt_chars,
+        )
     return await _generate(request, state, False, req, plan)
 
 
@@ -65,13 +67,14 @@ async def chat_completions(request: Request) -> Response:
     config = state.config
     state.admission.check_room()
     state.client.check_overload()
-    data = await read_json_object(request, config.max_body_bytes)
-    req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")
-    check_model(req.model, config.model_names)
-    limits = state.limits_now()
-    num_chars = sum(len(message.text()) for message in req.messages)
-    state.check_prompt_chars(num_chars, limits, "messages")
-    plan = await state.tokenizer_threads.run(plan_chat, req, config, state.tokenizer, limits)
+    with state.client.arriving():
+        data = await read_json_object(request, config.max_body_bytes)
+        req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")
+        check_model(req.model, config.model_names)
+        limits = state.limits_now()
+        num_chars = sum(len(message.text()) for message in req.messages)
+        state.check_prompt_chars(num_chars, limits, "messages")
+        plan = await state.tokenizer_threads.run(plan_chat, req, config, state.tokenizer, limits)
     return await _generate(request, state, True, req, plan)
 
 
