@@ -255,6 +255,17 @@ def run_deployment(
     return deployment
 
 
+def write_report(out_dir: str, name: str, result: dict, text: str) -> None:
+    """Prints the markdown report `text` and writes it and the JSON record `result` to
+    OUT_DIR/NAME.md and OUT_DIR/NAME.json (bench/soak.py's too)."""
+    print(text)
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.md").write_text(text)
+    (folder / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    say(f"wrote {name}.md and {name}.json to {folder}")
+
+
 def _positive_ints(text: str) -> list[int]:
     values = [int(part) for part in text.split(",") if part.strip()]
     if not values or min(values) < 1:
@@ -363,13 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             "deployments": deployments,
         }
     )
-    text = markdown(result)
-    print(text)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "burst.md").write_text(text)
-    (out_dir / "burst.json").write_text(json.dumps(result, indent=2) + "\n")
-    say(f"wrote burst.md and burst.json to {out_dir}")
+    write_report(args.out_dir, "burst", result, markdown(result))
     died = any(s["died"] for run in deployments.values() for s in run["bursts"].values())
     return 1 if died or any(run.get("error") for run in deployments.values()) else 0
 

@@ -7,6 +7,16 @@ import math
 
 from pdserve.bench.report import md_table
 
+REFUSAL_KINDS = ("HTTP 429", "HTTP 503", "error event")
+OUTCOME_COLUMNS = [
+    "refused (429 / 503 / error event)",
+    "died after a token",
+    "timed out",
+    "failed",
+    "TTFT P50 / P99 (s)",
+    "refusal P50 / P99 (s)",
+]
+
 
 def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
@@ -49,17 +59,27 @@ def _idle_counterpart(name: str, deployments: dict) -> str | None:
     return idle[0] if idle else None
 
 
+def outcome_cells(summary: dict) -> list[str]:
+    """One summary's cells under OUTCOME_COLUMNS (a burst's here, a request kind's in
+    bench/soak_report.py)."""
+    kinds = [summary["refused_by"].get(kind, 0) for kind in REFUSAL_KINDS]
+    died = summary["died"]
+    return [
+        f"{summary['refused']} ({' / '.join(map(str, kinds))})",
+        str(died) if died == 0 else f"**{died} (must be 0)**",
+        str(summary["timed_out"]),
+        str(summary["failed"]),
+        _pair(summary, "ttft"),
+        _pair(summary, "refusal"),
+    ]
+
+
 def outcome_table(deployments: dict) -> str:
     header = [
         "deployment",
         "burst",
         "completed",
-        "refused (429 / 503 / error event)",
-        "died after a token",
-        "timed out",
-        "failed",
-        "TTFT P50 / P99 (s)",
-        "refusal P50 / P99 (s)",
+        *OUTCOME_COLUMNS,
         "drain (s)",
         "last request written (ms)",
         "client CPU (s)",
@@ -69,21 +89,12 @@ def outcome_table(deployments: dict) -> str:
         if not run["bursts"]:
             rows.append([name, "-", f"not run: {run.get('error')}", *[""] * (len(header) - 3)])
         for size, s in run["bursts"].items():
-            kinds = [
-                s["refused_by"].get(kind, 0) for kind in ("HTTP 429", "HTTP 503", "error event")
-            ]
-            died = str(s["died"]) if s["died"] == 0 else f"**{s['died']} (must be 0)**"
             rows.append(
                 [
                     name,
                     size,
                     f"{s['completed']}/{s['requests']}",
-                    f"{s['refused']} ({' / '.join(map(str, kinds))})",
-                    died,
-                    str(s["timed_out"]),
-                    str(s["failed"]),
-                    _pair(s, "ttft"),
-                    _pair(s, "refusal"),
+                    *outcome_cells(s),
                     f"{s['drain_s']:.1f}" if _finite(s["drain_s"]) else "n/a",
                     f"{s['last_written_s'] * 1000:.0f}" if _finite(s["last_written_s"]) else "n/a",
                     f"{s['client_cpu_s']:.1f}",

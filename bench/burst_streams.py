@@ -1,6 +1,7 @@
 """What one streaming request of a burst saw (bench/burst.py), the one outcome it ends in,
 and a burst's summary: counts per outcome, TTFT and time to refusal, drain time. The outcomes,
-the classification up to the first token and the streaming client serve bench/soak.py too."""
+the classification of a stream that did not run to its end, and the streaming client serve
+bench/soak.py too."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Outcome(str, Enum):
 
 
 class StreamedRequest(Protocol):
-    """What `stream_into` fills in and `outcome_before_a_token` reads of a request's record
+    """What `stream_into` fills in and `outcome_unless_ended` reads of a request's record
     (`StreamRecord` here, `SoakRecord` in bench/soak.py); times in seconds from a start."""
 
     status: int | None  # None: no HTTP answer arrived
@@ -87,9 +88,10 @@ def absorb_event(record: StreamRecord, data: str, now_s: float) -> None:
         record.usage_tokens = usage.get("completion_tokens")
 
 
-def outcome_before_a_token(record: StreamedRequest) -> tuple[Outcome, str] | None:
-    """The outcome of a request that did not time out but ended without a 200 stream that sent
-    a token, and what ended it; None when it got such a stream (the caller judges the rest)."""
+def outcome_unless_ended(record: StreamedRequest, sent: str) -> tuple[Outcome, str] | None:
+    """The outcome of a request that did not time out, and what ended it, where it got no 200
+    stream that sent a token, or where that stream died after `sent` ("a token", "3 tokens");
+    None where the stream ran to its end: whether it is complete is the caller's to judge."""
     if record.status is None:
         return Outcome.FAILED, f"no answer: {record.exception}"
     if record.status in REFUSAL_STATUSES:
@@ -102,6 +104,10 @@ def outcome_before_a_token(record: StreamedRequest) -> tuple[Outcome, str] | Non
         if record.exception:
             return Outcome.FAILED, f"the stream broke before a token: {record.exception}"
         return Outcome.FAILED, "the stream ended without a token"
+    if record.error_event:
+        return Outcome.DIED, f"error event after {sent}: {record.error_event}"
+    if record.exception:
+        return Outcome.DIED, f"the stream broke after {sent}: {record.exception}"
     return None
 
 
@@ -110,12 +116,8 @@ def classify(record: StreamRecord, expected_tokens: int) -> tuple[Outcome, str]:
     tokens = record.tokens
     if record.timed_out:
         return Outcome.TIMED_OUT, f"after {tokens} tokens"
-    if (early := outcome_before_a_token(record)) is not None:
-        return early
-    if record.error_event:
-        return Outcome.DIED, f"error event after {tokens} tokens: {record.error_event}"
-    if record.exception:
-        return Outcome.DIED, f"the stream broke after {tokens} tokens: {record.exception}"
+    if (cut_short := outcome_unless_ended(record, f"{tokens} tokens")) is not None:
+        return cut_short
     if record.finish_reason is None:
         return Outcome.DIED, f"{tokens} of {expected_tokens} tokens and no finish_reason"
     if tokens != expected_tokens:

@@ -9,6 +9,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+
 def parse_metric(text: str, name: str, label: str = "node") -> dict[str, float]:
     """`label`'s value (the node id by default) -> value, of each sample of metric `name`."""
     return {

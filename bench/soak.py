@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.burst_streams import Outcome, outcome_before_a_token, stream_into
+from pdserve.bench.burst_streams import Outcome, outcome_unless_ended, stream_into
 from pdserve.bench.node_metrics import parse_metric, wait_for_clean_kv
 from pdserve.bench.serve_metrics import percentile
 from pdserve.bench.server_processes import server_processes
@@ -129,7 +129,7 @@ class SoakRecord:
     first_token_s: float | None = None
     end_s: float = 0.0
     finish_reasons: dict[int, str] = field(default_factory=dict)
-    error_event: str = ""
+    error_event: str = ""  # its first 120 characters
     exception: str = ""  # the connection failed, or was cut mid-stream
     timed_out: bool = False
     body: str = ""  # the start of a non-200 answer
@@ -142,7 +142,7 @@ class SoakRecord:
         if chunk.get("error"):
             error = chunk["error"]
             message = error.get("message", error) if isinstance(error, dict) else error
-            self.error_event = str(message)
+            self.error_event = str(message)[:120]
             return
         for choice in chunk.get("choices") or []:
             text = choice.get("text") or (choice.get("delta") or {}).get("content")
@@ -156,12 +156,8 @@ def classify(record: SoakRecord) -> tuple[Outcome, str]:
     """The request's one outcome and what, if not completed, ended it."""
     if record.timed_out:
         return Outcome.TIMED_OUT, "no end within the client timeout"
-    if (early := outcome_before_a_token(record)) is not None:
-        return early
-    if record.error_event:
-        return Outcome.DIED, f"error event after a token: {record.error_event[:120]}"
-    if record.exception:
-        return Outcome.DIED, f"the stream broke after a token: {record.exception}"
+    if (cut_short := outcome_unless_ended(record, "a token")) is not None:
+        return cut_short
     if len(record.finish_reasons) < record.n:
         return Outcome.DIED, f"{len(record.finish_reasons)} of {record.n} choices finished"
     return Outcome.COMPLETED, ""
@@ -365,8 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The stages above; exit status 1 when a request died after a token, the KV did not settle
+    clean, a node fell while its process was alive, or the kill -9 found no node or went
+    unnoticed."""
     import shlex
 
+    from pdserve.bench.burst import write_report
     from pdserve.bench.cpu_hog import busy_cores, usable_cores
     from pdserve.bench.machine import load_average, machine_info
     from pdserve.bench.serve_load import discover_model
@@ -434,13 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             "kill": kill,
         }
     )
-    text = markdown(result)
-    print(text)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "soak.md").write_text(text)
-    (out_dir / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
-    say(f"wrote soak.md and soak.json to {out_dir}")
+    write_report(args.out_dir, "soak", result, markdown(result))
     bad = result["outcomes"]["all"]["died"] or not settle["clean"] or watch.down_while_alive
     return 1 if bad or "error" in kill else 0
 

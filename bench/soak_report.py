@@ -2,47 +2,21 @@
 
 from __future__ import annotations
 
+from pdserve.bench.burst_report import OUTCOME_COLUMNS, outcome_cells
 from pdserve.bench.report import md_table
-
-REFUSAL_KINDS = ("HTTP 429", "HTTP 503", "error event")
-
-
-def _pair(summary: dict, name: str) -> str:
-    low, high = summary[f"{name}_p50"], summary[f"{name}_p99"]
-    return f"{low:.2f} / {high:.2f}" if low is not None and high is not None else "n/a"
 
 
 def outcome_table(outcomes: dict) -> str:
-    header = [
-        "kind",
-        "requests",
-        "completed",
-        "refused (429 / 503 / error event)",
-        "died after a token",
-        "timed out",
-        "failed",
-        "TTFT P50 / P99 (s)",
-        "refusal P50 / P99 (s)",
+    rows = [
+        [
+            f"**{kind}**" if kind == "all" else kind,
+            str(s["requests"]),
+            str(s["completed"]),
+            *outcome_cells(s),
+        ]
+        for kind, s in outcomes.items()
     ]
-    rows = []
-    for kind, s in outcomes.items():
-        refused = " / ".join(str(s["refused_by"].get(k, 0)) for k in REFUSAL_KINDS)
-        died = str(s["died"]) if s["died"] == 0 else f"**{s['died']} (must be 0)**"
-        name = f"**{kind}**" if kind == "all" else kind
-        rows.append(
-            [
-                name,
-                str(s["requests"]),
-                str(s["completed"]),
-                f"{s['refused']} ({refused})",
-                died,
-                str(s["timed_out"]),
-                str(s["failed"]),
-                _pair(s, "ttft"),
-                _pair(s, "refusal"),
-            ]
-        )
-    return md_table(header, rows)
+    return md_table(["kind", "requests", "completed", *OUTCOME_COLUMNS], rows)
 
 
 def health_table(result: dict) -> str:

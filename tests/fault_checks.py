@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.node_metrics import parse_metric, wait_for_clean_kv
 from pdserve.node.config import CONFIG_ENV
 
 SHM_DIR = Path("/dev/shm")
@@ -35,15 +35,6 @@ SETTLED_HEARTBEATS = 4
 
 def metric(url: str, name: str, label: str = "node") -> dict[str, float]:
     return parse_metric(httpx.get(f"{url}/metrics", timeout=10).text, name, label)
-
-
-def parse_metric(text: str, name: str, label: str = "node") -> dict[str, float]:
-    return {
-        sample.labels.get(label, ""): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    }
 
 
 def live_nodes(url: str) -> set[str]:
@@ -70,35 +61,13 @@ async def wait_until_async(predicate, timeout: float, what: str, interval: float
 
 
 def assert_no_leaked_blocks(url: str, timeout: float = 60.0) -> None:
-    """Every live node's KV usage returns to 0 and its leak check reports 0 leaked blocks.
-
-    /metrics shows each node's latest NodeStats, which may predate the end of the requests (a
-    node skips stats while its outbox is full) or its first idle-time leak check, and nothing in
-    it says which. So the clean state must hold in every scrape for SETTLED_HEARTBEATS
-    heartbeats, in which each idle node sends stats taken after a leak check."""
-    settle_s = SETTLED_HEARTBEATS * HEARTBEAT_S
-    start, clean_since = time.monotonic(), None
-    while True:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        up = parse_metric(text, "pdserve_node_up")
-        usage = parse_metric(text, "pdserve_kv_cache_usage_ratio")
-        leaked = parse_metric(text, "pdserve_kv_leaked_blocks")
-        state = {
-            node: {"usage": usage.get(node), "leaked_blocks": leaked.get(node)}
-            for node, alive in up.items()
-            if alive == 1.0
-        }
-        now = time.monotonic()
-        if all(v == {"usage": 0.0, "leaked_blocks": 0.0} for v in state.values()):
-            clean_since = now if clean_since is None else clean_since
-            if now - clean_since >= settle_s:
-                return
-        else:
-            clean_since = None
-        assert now - start < timeout, (
-            f"the live nodes were not all idle without leaked KV blocks within {timeout} s: {state}"
-        )
-        time.sleep(0.1)
+    """Every live node's KV usage returns to 0 and its leak check reports 0 leaked blocks, in
+    every scrape for SETTLED_HEARTBEATS heartbeats (bench/node_metrics.py says why)."""
+    settle = wait_for_clean_kv(url, SETTLED_HEARTBEATS * HEARTBEAT_S, timeout)
+    assert settle["clean"], (
+        f"the live nodes were not all idle without leaked KV blocks within {timeout} s: "
+        f"{settle['nodes']}"
+    )
 
 
 @dataclass

@@ -164,16 +164,23 @@ def _result(died: int) -> dict:
     }
 
 
+def assert_report_has(text: str, *expected: str) -> None:
+    missing = [part for part in expected if part not in text]
+    assert not missing, f"not in the report: {missing}\n{text}"
+
+
 def test_report_has_a_row_per_deployment_and_burst_memory_columns_and_ratios():
-    text = markdown(_result(died=0))
-    assert "Command: `python -m pdserve.bench.burst --bursts 2`" in text
-    assert "| colocated | 2 | 2/2 | 0 (0 / 0 / 0) | 0 | 0 | 0 | 0.50 / 0.50 |" in text
-    assert "| 2p1d | - | not run: did not start |" in text
-    assert "| deployment | burst | router | colocated-0 | decode-0 |" in text
-    assert "| colocated | 2 | 340 (+40) | 1000 (+100) | - |" in text
-    assert "| 1p1d / colocated | 2 | 2 vs 2 | 2.00x |" in text
-    assert "Died after a token: 0 in every run." in text
-    assert "- 2p1d: did not start" in text
+    assert_report_has(
+        markdown(_result(died=0)),
+        "Command: `python -m pdserve.bench.burst --bursts 2`",
+        "| colocated | 2 | 2/2 | 0 (0 / 0 / 0) | 0 | 0 | 0 | 0.50 / 0.50 |",
+        "| 2p1d | - | not run: did not start |",
+        "| deployment | burst | router | colocated-0 | decode-0 |",
+        "| colocated | 2 | 340 (+40) | 1000 (+100) | - |",
+        "| 1p1d / colocated | 2 | 2 vs 2 | 2.00x |",
+        "Died after a token: 0 in every run.",
+        "- 2p1d: did not start",
+    )
 
 
 def test_report_marks_requests_that_died_after_a_token():
@@ -195,14 +202,16 @@ def test_loaded_host_rows_are_labelled_explained_and_compared_with_their_idle_ru
         "load_average": {"before bursts": "0.60", "after bursts": "2.90"},
         "bursts": {"2": slower},
     }
-    text = markdown(result)
-    assert "| 1p1d (loaded host) | `pdserve serve --prefill 1 --decode 1` | loaded: 2 " in text
-    assert "| 1p1d | `pdserve serve --prefill 1 --decode 1` | idle | 0.50 / 0.70 |" in text
-    assert "one busy-looping Python process per usable core" in text
-    assert "at normal priority" in text
-    assert "| 1p1d (loaded host) | 2 | 2/2 |" in text
-    assert "| 1p1d (loaded host) / 1p1d | 2 | 2 vs 2 | 1.50x |" in text
-    assert "| 1p1d / colocated | 2 | 2 vs 2 | 2.00x |" in text
+    assert_report_has(
+        markdown(result),
+        "| 1p1d (loaded host) | `pdserve serve --prefill 1 --decode 1` | loaded: 2 ",
+        "| 1p1d | `pdserve serve --prefill 1 --decode 1` | idle | 0.50 / 0.70 |",
+        "one busy-looping Python process per usable core",
+        "at normal priority",
+        "| 1p1d (loaded host) | 2 | 2/2 |",
+        "| 1p1d (loaded host) / 1p1d | 2 | 2 vs 2 | 1.50x |",
+        "| 1p1d / colocated | 2 | 2 vs 2 | 2.00x |",
+    )
     assert "Loaded host:" not in markdown(_result(died=0))
 
 

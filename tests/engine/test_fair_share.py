@@ -5,28 +5,11 @@ scheduled in the first step after its arrival (the bound in engine/scheduler.py)
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request_share import RequestShares
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
-
-
-def make_seq(name: str, num_tokens: int, group: str | None = None) -> Sequence:
-    return Sequence(
-        name, [1] * num_tokens, SamplingParams(), frozenset(), torch.device("cpu"), group=group
-    )
-
-
-def run_step(scheduler: Scheduler):
-    out = scheduler.schedule()
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.token_ids.append(1)
-    return out
+from tests.engine.test_scheduler import make_seq, run_step
 
 
 def finish_all(scheduler: Scheduler) -> None:

@@ -10,8 +10,10 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
-def make_seq(name: str, num_tokens: int) -> Sequence:
-    return Sequence(name, [1] * num_tokens, SamplingParams(), frozenset(), torch.device("cpu"))
+def make_seq(name: str, num_tokens: int, group: str | None = None) -> Sequence:
+    return Sequence(
+        name, [1] * num_tokens, SamplingParams(), frozenset(), torch.device("cpu"), group=group
+    )
 
 
 def run_step(scheduler: Scheduler):

@@ -219,9 +219,9 @@ def test_a_node_already_past_the_bound_refuses_before_the_request_is_read(roles)
         assert refused.value.status == 429 and "200 prompt tokens queued" in refused.value.message
         client.prompt_queues.remove(computing, "backlog", client.clock())
         client.check_overload()
-        with client.arriving():  # a burst: one still being read and tokenized, ~100 tokens
-            with pytest.raises(APIError):
-                client.check_overload()  # 1 s queued + 1 s arriving > 1.5 s
+        # a burst: one request still being read and tokenized, counted as ~100 tokens
+        with client.arriving(), pytest.raises(APIError):
+            client.check_overload()  # 1 s queued + 1 s arriving > 1.5 s
         client.check_overload()
 
     asyncio.run(run())
