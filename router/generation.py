@@ -42,7 +42,11 @@ from pdserve.router.validation import Plan
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.wire.messages import RequestFailed, TokenUpdate
 
-DISCONNECT_POLL_S = 0.05
+# A request waiting for its first token asks its connection this often whether the client
+# left. Each ask costs the event loop a receive with a cancel scope: at 0.05 s, 150 admitted
+# streams of a 1,000-request burst on a loaded host cost the router about a third of its loop
+# (profiled), and its 429s answered 1.0 s after arrival instead of 0.7 s.
+DISCONNECT_POLL_S = 0.5
 WIRE_INT_RANGE = (-(1 << 63), 1 << 64)  # what msgpack can encode: int64 up to uint64
 
 
