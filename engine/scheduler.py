@@ -189,15 +189,13 @@ class Scheduler:
         return out
 
     def _waiting_goes_before(self, index: int) -> bool:
-        """Whether the first waiting sequence goes before running[index] (or none is left):
-        only from a better share tier. Within a tier, running sequences keep their turn, so a
-        prompt being prefilled in chunks (its KV streaming to a decode node) is never stalled
-        behind a queue of waiting prompts that rank ahead of it."""
+        """Whether the first waiting sequence outranks running[index] (or none is left)."""
         if not self.waiting:
             return False
         if index == len(self.running):
             return True
-        return self.waiting[0].share_tier < self.running[index].share_tier
+        rank = self.running.order.rank
+        return rank(self.waiting[0]) < rank(self.running[index])
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Gives a waiting seq its device blocks (and its swapped KV back) and returns the
