@@ -31,10 +31,11 @@ released at once: its I/O thread checks the ledger before each scatter, so nothi
 Where the sender copies into our memory itself (DirectWrite: shm, cuda_ipc, mooncake,
 inprocess), a failed transfer that was granted is released only when (a) its sender sends
 Abandon, which it does after its last copy for the transfer has finished and never copies for it
-again (never after a copy that raised: a timed-out network write may still be landing), or (b) `release_grace_s` after the deadline (or the strategy's `write_timeout_s`, where
-longer: a network write's bound). (b) holds because a sender's deadline is never later than ours
-(it is the time it sent Begin plus the seconds left we granted) and it starts no copy step
-after it, and one step is a few MiB, far shorter than the grace. A failed transfer never
+again (never after a copy that raised: a timed-out network write may still be landing), or (b)
+`release_grace_s` after the deadline (or the strategy's `write_timeout_s`, where longer: a
+network write's bound). (b) holds because a sender's deadline is never later than ours (it is
+the time it sent Begin, or a write we acknowledged, plus the seconds left we named in reply)
+and it starts no copy step after it, and one step is a few MiB, far shorter than the grace. A failed transfer never
 granted is released at once: no sender may write it.
 """
 
@@ -107,7 +108,8 @@ class TransferLedger:
         budget_s: float | None = None,
     ) -> None:
         """`deadline` ends the transfer; with `budget_s` it ends only the wait for the grant,
-        and the grant and each accepted write set the deadline to their time plus `budget_s`."""
+        the grant sets the deadline to its time plus `budget_s`, and each accepted write to its
+        time plus the larger of `budget_s` and PACE_FACTOR times its `pace_s`."""
         if not 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
             raise ValueError(f"a transfer id has 1-{MAX_TRANSFER_ID_CHARS} characters")
         if transfer_id in self._transfers:

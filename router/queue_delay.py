@@ -17,9 +17,9 @@ A new request's predicted queue delay at a node is the larger of
               prefilled for minutes on a busy host is progress, not a stall: it never counts.
 The drain speed is what the router observes (`DrainMeter`): prompt tokens computed (reported
 chunks, and the rest of a prompt at its first token) per second of time the node's queue was
-not empty, over the last `DRAIN_HORIZON_S` seconds of such time. It includes every cost on the way to the first token
-(scheduling, transfers, a busy host) and averages over the clusters in which a batched prefill
-step starts many requests at once; idle time is no evidence and does not count. Until it has
+not empty, over the last `DRAIN_HORIZON_S` seconds of such time. It includes every cost on the
+way to the first token (scheduling, transfers, a busy host) and averages over the clusters in
+which a batched prefill step starts many requests at once; idle time is no evidence and does not count. Until it has
 seen `MIN_DRAIN_TOKENS` start over `MIN_DRAIN_S` of busy time (a few short requests measure
 their latency, not the node's throughput), the speed is the one the node measured itself
 (NodeStats `prefill_tokens_per_s`, from its warm-up and its steps; 0 = not known, and then the
