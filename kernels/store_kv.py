@@ -36,12 +36,15 @@ TOKENS_PER_PROGRAM = 8
 def _round_to_e4m3(x):
     """fp32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in
     fp32: the spacing at x's exponent (never below the subnormals' 2^-9) is a power of two, and
-    adding then subtracting 1.5 x 2^23 rounds x / spacing to an integer."""
+    adding then subtracting 1.5 x 2^23 rounds |x| / spacing to an integer. x's sign bit is
+    copied onto the result, so a negative x that rounds to zero gives -0.0 as torch's cast does
+    (Triton negates as 0 - y on the GPU, which turns -0.0 into +0.0)."""
     bits = x.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = ((tl.abs(x) / spacing + 12582912.0) - 12582912.0) * spacing
-    return tl.where(bits < 0, -rounded, rounded)
+    magnitude = ((tl.abs(x) / spacing + 12582912.0) - 12582912.0) * spacing
+    sign = bits & -2147483648
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

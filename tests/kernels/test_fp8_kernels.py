@@ -94,6 +94,27 @@ def test_store_kv_writes_the_scaled_fp8_bytes_of_the_reference(case):
     )
 
 
+def test_store_kv_rounds_every_magnitude_and_sign_as_torchs_cast():
+    """From far below the subnormals (which round to a signed zero: -0.0 for a negative x, as
+    torch's cast gives; the compiled kernel once stored +0.0) to past the range (saturated)."""
+    case = KernelCase(16, 64, 1, torch.float32)
+    key_cache, value_cache = fp8_cache(case, 8, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    rows = 8 * case.block_size
+    magnitude = 10 ** (torch.rand(rows, case.num_kv_heads, case.head_dim, generator=generator) * 8 - 5)
+    sign = torch.randint(0, 2, magnitude.shape, generator=generator) * 2 - 1
+    key = (magnitude * sign).to(DEVICE)
+    slots = torch.randperm(rows, generator=generator).to(DEVICE)
+    expected_keys, expected_values = key_cache.clone(), value_cache.clone()
+    store_kv_reference(key, -key, expected_keys, expected_values, slots, K_SCALE, V_SCALE)
+
+    store_kv(key, -key, key_cache, value_cache, slots, K_SCALE, V_SCALE)
+
+    assert torch.equal(as_bytes(key_cache), as_bytes(expected_keys))
+    assert torch.equal(as_bytes(value_cache), as_bytes(expected_values))
+    assert (as_bytes(expected_keys) == 0x80).any(), "some negative x must round to -0.0"
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("sliding_window", [None, 20], ids=["full", "window20"])
 def test_decode_attention_reads_fp8_times_the_scales(case, sliding_window):

@@ -67,7 +67,7 @@ def test_triton_backend_is_registered_and_cuda_graphs_need_it():
     with pytest.raises(ValueError, match="valid: torch, triton"):
         EngineConfig(attention_backend="cuda")
     with pytest.raises(ValueError, match="cuda_graphs needs"):
-        EngineConfig(cuda_graphs=True)
+        EngineConfig(attention_backend="torch", cuda_graphs=True)
     assert EngineConfig(attention_backend="triton", cuda_graphs=True).cuda_graphs
 
 
