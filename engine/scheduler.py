@@ -6,19 +6,22 @@ host memory) and `running` (holding device blocks). Both are ordered by rank: th
 share of its client request first (engine/request_share.py), then priority aged by arrival
 time (engine/sequence_queue.py). Each `schedule()` call builds one step under a token budget
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`), taking the sequences of both
-queues merged in rank order, as long as budget remains:
+queues in rank order, as long as budget remains, except that a waiting sequence overtakes a
+running one only from a better share tier or priority, never by arrival alone: a prompt being
+prefilled in chunks (its KV streaming to a decode node) keeps its turn while earlier arrivals
+(a dead node's retried prompts, preempted sequences) wait for theirs.
   - a running sequence takes one token (a decode) or the next chunk of its prompt that fits
     the budget. When blocks run short, the lowest-ranked running sequence is preempted -
     possibly the one being scheduled itself. The preemption policy picks its cure: recompute
     (blocks freed, nothing computed) or swap (its computed blocks copied to host blocks at the
     start of this step, then freed). After such a preemption the step admits nothing more.
-  - the first waiting sequence, when it outranks the next running one: a swapped one gets
+  - the first waiting sequence, when it overtakes the next running one: a swapped one gets
     device blocks and its KV copied back in; any other reuses the longest prefix the prefix
     cache holds. It takes a chunk with whatever budget is left, as long as blocks remain
     above a small watermark plus what admitted sequences are still expected to need (the
-    admission policy). When it cannot be admitted (no seat, no blocks) but outranks the
-    lowest running one, that one is preempted to make room; otherwise admission stops for
-    this step (no overtaking). Idle cached blocks are evicted before an admission is refused
+    admission policy). When it cannot be admitted (no seat, no blocks) but overtakes the
+    lowest running one, not yet scheduled in this step, that one is preempted to make room;
+    otherwise admission stops for this step. Idle cached blocks are evicted before an admission is refused
     or anything is preempted.
 A prompt with n choices (engine/forks.py) counts as n sequences against the cap until it forks
 into them (it is refused at submission when n exceeds the cap).
@@ -170,7 +173,7 @@ class Scheduler:
                     out.scheduled.append(ScheduledSequence(seq, num_new))
                     budget -= num_new
                     index += 1
-                elif self._outranks_last_running(seq):
+                elif self._overtakes_last_unscheduled(seq, index):
                     self._preempt_for_admission(out)
                 else:
                     admitting = False  # no overtaking
@@ -189,13 +192,22 @@ class Scheduler:
         return out
 
     def _waiting_goes_before(self, index: int) -> bool:
-        """Whether the first waiting sequence outranks running[index] (or none is left)."""
+        """Whether the first waiting sequence overtakes running[index] (or none is left)."""
         if not self.waiting:
             return False
         if index == len(self.running):
             return True
+        return self._overtakes(self.waiting[0], self.running[index])
+
+    def _overtakes(self, waiting: Sequence, running: Sequence) -> bool:
+        """A waiting sequence goes before a running one when it ranks ahead of it and is of a
+        better share tier or priority. An admitted sequence then ranks ahead of the running
+        sequence it overtook, so running[:index] stay the ones scheduled in this step."""
         rank = self.running.order.rank
-        return rank(self.waiting[0]) < rank(self.running[index])
+        return rank(waiting) < rank(running) and (
+            (waiting.share_tier or 0, waiting.priority)
+            < (running.share_tier or 0, running.priority)
+        )
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Gives a waiting seq its device blocks (and its swapped KV back) and returns the
@@ -232,15 +244,14 @@ class Scheduler:
                 seq.num_cached_tokens = num_hit
         return num_new
 
-    def _outranks_last_running(self, seq: Sequence) -> bool:
-        if not self.running:
-            return False
-        rank = self.running.order.rank
-        return rank(seq) < rank(self.running[-1])
+    def _overtakes_last_unscheduled(self, seq: Sequence, index: int) -> bool:
+        """Whether waiting seq may preempt the lowest-ranked running sequence: one with no
+        chunk in this step yet (running[index:]) that seq overtakes."""
+        return index < len(self.running) and self._overtakes(seq, self.running[-1])
 
     def _preempt_for_admission(self, out: SchedulerOutput) -> None:
-        """Preempts the lowest-ranked running sequence for a higher-ranked waiting one (it has
-        no chunk in this step: the step reaches running sequences in rank order)."""
+        """Preempts the lowest-ranked running sequence (not yet scheduled in this step) for a
+        waiting one that overtakes it."""
         victim = self.running[-1]
         # A block still waiting for its copy-on-write copy would be swapped out unfilled.
         pending_copies = {dst for _, dst in out.blocks_to_copy}
