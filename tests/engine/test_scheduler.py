@@ -44,6 +44,33 @@ def test_decodes_go_first_and_prompts_fill_the_rest_of_the_budget():
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 31)]
 
 
+def test_a_prompt_being_prefilled_keeps_its_turn_over_an_earlier_arrival_of_its_priority():
+    """As a dead node's prompts retried on this one, with their first arrival times: they wait
+    for the running prompt's chunks (its KV is streaming to a decode node), then go in their
+    order; a more important arrival still goes first."""
+    scheduler = Scheduler(
+        BlockManager(64, 16), max_num_batched_tokens=32, max_num_seqs=8, priority_aging_s=0
+    )
+    running = Sequence("running", [1] * 100, SamplingParams(), frozenset(), torch.device("cpu"),
+                       arrival_time=10.0)
+    scheduler.add(running)
+    run_step(scheduler)
+    for name in ("retried-1", "retried-2"):
+        scheduler.add(Sequence(name, [1] * 40, SamplingParams(), frozenset(),
+                               torch.device("cpu"), arrival_time=1.0))
+    chunks = [[(s.seq.request_id, s.num_new_tokens) for s in run_step(scheduler).scheduled]
+              for _ in range(3)]
+    assert chunks == [
+        [("running", 32)],
+        [("running", 32)],
+        [("running", 4), ("retried-1", 28)],
+    ]
+    scheduler.add(Sequence("urgent", [1] * 8, SamplingParams(), frozenset(),
+                           torch.device("cpu"), priority=-1, arrival_time=20.0))
+    out = run_step(scheduler)
+    assert [s.seq.request_id for s in out.scheduled][:2] == ["urgent", "retried-1"]
+
+
 def test_max_num_seqs_caps_the_running_set():
     scheduler = Scheduler(BlockManager(64, 16), max_num_batched_tokens=1000, max_num_seqs=2)
     for i in range(3):
