@@ -48,6 +48,7 @@ from pdserve.bench.burst_report import markdown
 from pdserve.bench.burst_streams import StreamRecord, absorb_event, stream_into, summarize
 from pdserve.bench.cpu_hog import busy_cores
 from pdserve.bench.server_processes import (
+    cpu_seconds,
     sample_rss,
     sample_rss_every,
     server_processes,
@@ -173,9 +174,16 @@ def run_burst(
     pids = server_processes(server.process.pid)
     before = {label: status_kib(pid, "VmRSS") for label, pid in pids.items()}
     cpu_start = time.process_time()
+    router_cpu_start = cpu_seconds(pids["router"]) if "router" in pids else None
     records, peaks = run_async(send_burst(server.url, bodies, args.timeout, pids))
     summary = summarize(records, args.max_tokens)
     summary["client_cpu_s"] = time.process_time() - cpu_start
+    router_cpu_end = cpu_seconds(pids["router"]) if "router" in pids else None
+    summary["router_cpu_s"] = (
+        router_cpu_end - router_cpu_start
+        if router_cpu_start is not None and router_cpu_end is not None
+        else None
+    )
     summary["memory_kib"] = {
         label: {"before": before[label], "peak": peaks.get(label), "hwm": status_kib(pid, "VmHWM")}
         for label, pid in pids.items()

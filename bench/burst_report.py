@@ -83,6 +83,7 @@ def outcome_table(deployments: dict) -> str:
         "drain (s)",
         "last request written (ms)",
         "client CPU (s)",
+        "router CPU (s)",
     ]
     rows = []
     for name, run in deployments.items():
@@ -98,6 +99,7 @@ def outcome_table(deployments: dict) -> str:
                     f"{s['drain_s']:.1f}" if _finite(s["drain_s"]) else "n/a",
                     f"{s['last_written_s'] * 1000:.0f}" if _finite(s["last_written_s"]) else "n/a",
                     f"{s['client_cpu_s']:.1f}",
+                    f"{s['router_cpu_s']:.1f}" if s.get("router_cpu_s") is not None else "-",
                 ]
             )
     return md_table(header, rows)
@@ -224,7 +226,9 @@ def markdown(result: dict) -> str:
             "burst. TTFT of the completed requests; time to refusal of the refused ones; drain: "
             "burst start to the end of the last answer; last request written: when the client had "
             "written the last whole request to its connection (a large value would mean the "
-            "client, not the server, was the bottleneck)."
+            "client, not the server, was the bottleneck); client CPU and router CPU: the CPU "
+            "time (user + system) each process used during the burst, on a host where they share "
+            "the cores with the nodes (and the busy processes, when loaded)."
         ),
         outcome_table(deployments),
         "Died after a token: 0 in every run."

@@ -1,5 +1,6 @@
 """The processes of a running `pdserve serve` deployment, seen from outside through /proc: who
-each child is (the router, or a node by its id) and how much memory it holds."""
+each child is (the router, or a node by its id), how much memory it holds and how much CPU time
+it has used."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ def status_kib(pid: int, name: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time the process has used (/proc/PID/stat); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def process_label(argv: list[str], node_config: str | None = None) -> str:
