@@ -27,8 +27,10 @@ one asyncio loop (uvloop when installed). Every request ends in exactly one outc
 
 TTFT: send to the first streamed choice. Drain: burst start to the end of the last answer.
 Peak RSS of the router and of each node: the largest VmRSS in /proc/PID/status sampled every
-100 ms during the burst (VmHWM, the peak since the process started, goes to the JSON). Writes
-burst.md and burst.json to --out-dir (bench/results by default).
+100 ms during the burst (VmHWM, the peak since the process started, goes to the JSON). Client
+floor: the same bursts against a server that refuses every request at once
+(bench/client_floor.py), on each host the deployments ran on. Writes burst.md and burst.json to
+--out-dir (bench/results by default).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.burst_report import markdown
 from pdserve.bench.burst_streams import StreamRecord, absorb_event, stream_into, summarize
+from pdserve.bench.client_floor import run_client_floor
 from pdserve.bench.cpu_hog import busy_cores
 from pdserve.bench.server_processes import (
     cpu_seconds,
@@ -312,6 +315,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also (or only) run each deployment's bursts with every usable core kept busy by "
         "a busy-looping process per core, labelled '(loaded host)' (default: no)",
     )
+    parser.add_argument(
+        "--client-floor",
+        choices=["yes", "no"],
+        default="yes",
+        help="also send each burst to a server that refuses at once (bench/client_floor.py), "
+        "on each host the deployments ran on: what the client alone costs (default: yes)",
+    )
     args = parser.parse_args(argv)
     try:
         args.bursts = _positive_ints(args.bursts)
@@ -361,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.deployments
         for loaded_host in LOADED_HOST_RUNS[args.loaded_host]
     }
+    floors = {}
+    if args.client_floor == "yes":
+        bodies_by_burst = {
+            size: [completion_body("any", prompt, args.max_tokens) for prompt in prompts]
+            for size, prompts in prompts_by_burst.items()
+        }
+        for loaded_host in LOADED_HOST_RUNS[args.loaded_host]:
+            host = "loaded" if loaded_host else "idle"
+            say(f"client floor ({host} host): the bursts against a server that refuses at once")
+            floors[host] = run_client_floor(bodies_by_burst, args.timeout, loaded_host, SETTLE_S)
     machine["load average at end"] = load_average()
     setup = {
         "model": args.model or "SmolLM2-135M-Instruct (the default model)",
@@ -380,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine,
             "setup": setup,
             "deployments": deployments,
+            "client_floor": floors,
         }
     )
     write_report(args.out_dir, "burst", result, markdown(result))

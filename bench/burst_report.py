@@ -74,6 +74,39 @@ def outcome_cells(summary: dict) -> list[str]:
     ]
 
 
+def client_floor_table(floors: dict, deployments: dict) -> str | None:
+    rows = []
+    for host, bursts in floors.items():
+        if "error" in bursts:
+            rows.append([host, "-", f"not run: {bursts['error']}", "", "", "", ""])
+            continue
+        loaded = host == "loaded"
+        for size, f in bursts.items():
+            beside = [
+                f"{name}: {run['bursts'][size]['refusal_p99']:.2f}"
+                for name, run in deployments.items()
+                if run.get("loaded_host") == loaded
+                and size in run["bursts"]
+                and _finite(run["bursts"][size].get("refusal_p99"))
+            ]
+            rows.append(
+                [
+                    host,
+                    size,
+                    f"{f['refused']}/{size}",
+                    _pair(f, "refusal"),
+                    f"{f['last_written_s'] * 1000:.0f}" if _finite(f["last_written_s"]) else "n/a",
+                    f"{f['client_cpu_s']:.1f}",
+                    "; ".join(beside) or "-",
+                ]
+            )
+    if not rows:
+        return None
+    header = ["host", "burst", "refused", "refusal P50 / P99 (s)", "last request written (ms)",
+              "client CPU (s)", "deployments' refusal P99 (s)"]
+    return md_table(header, rows)
+
+
 def outcome_table(deployments: dict) -> str:
     header = [
         "deployment",
@@ -241,6 +274,18 @@ def markdown(result: dict) -> str:
         ),
         memory_table(deployments),
     ]
+    floor = client_floor_table(result.get("client_floor") or {}, deployments)
+    if floor:
+        parts += [
+            "## Client floor",
+            (
+                "The same bursts from the same client against a server that refuses every "
+                "request at once (bench/client_floor.py), on the same host, idle or loaded: the "
+                "time to refusal no server could beat with this client there. Beside it, each "
+                "deployment's refusal P99 on that host."
+            ),
+            floor,
+        ]
     ratios = ratio_table(deployments)
     if ratios:
         parts += ["## Ratios (lower drain, TTFT and RSS are better)", ratios]

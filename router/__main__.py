@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import logging
 import os
@@ -211,6 +212,11 @@ async def serve(config: RouterConfig, log: LogSettings) -> None:
         for sock in srv.sockets:
             port = sock.getsockname()[1]
             break
+    # What startup built (the app, the tokenizer, the imported modules) lives as long as the
+    # router: out of the collector's generations, each collection during a burst scans only
+    # what requests allocated (a 1,000-request burst spent 0.24 s of 1.4 s CPU in collections).
+    gc.collect()
+    gc.freeze()
     print(f"pdserve router listening on http://{config.host}:{port}", flush=True)
     await task
 

@@ -215,6 +215,22 @@ def test_loaded_host_rows_are_labelled_explained_and_compared_with_their_idle_ru
     assert "Loaded host:" not in markdown(_result(died=0))
 
 
+def test_the_client_floor_sits_beside_the_refusals_of_the_deployments_on_its_host():
+    result = _result(died=0)
+    refusing = {**result["deployments"]["1p1d"]["bursts"]["2"], "refusal_p99": 3.5}
+    result["deployments"]["1p1d"].update(loaded_host=False, bursts={"2": refusing})
+    floor = {"refused": 2, "refusal_p50": 1.25, "refusal_p99": 1.5, "last_written_s": 0.02,
+             "client_cpu_s": 0.3}
+    result["client_floor"] = {"idle": {"2": floor}, "loaded": {"error": "did not start"}}
+    assert_report_has(
+        markdown(result),
+        "## Client floor",
+        "| idle | 2 | 2/2 | 1.25 / 1.50 | 20 | 0.3 | 1p1d: 3.50 |",
+        "| loaded | - | not run: did not start |",
+    )
+    assert "## Client floor" not in markdown(_result(died=0))
+
+
 def test_process_labels_name_the_router_and_each_node_without_the_port_suffix():
     assert process_label(["python", "-m", "pdserve.router", "--port", "8000"]) == "router"
     node = ["python", "-m", "pdserve.prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
@@ -292,4 +308,8 @@ def test_a_burst_against_a_real_server_counts_every_request_exactly_once(tiny_ll
     assert 0 < summary["ttft_p50"] <= summary["ttft_p99"] <= summary["drain_s"]
     assert {"router", "colocated-0"} <= set(summary["memory_kib"])
     assert summary["memory_kib"]["colocated-0"]["peak"] > 0
-    assert "| colocated | 8 | 8/8 |" in (tmp_path / "burst.md").read_text()
+    report = (tmp_path / "burst.md").read_text()
+    assert "| colocated | 8 | 8/8 |" in report
+    floor = result["client_floor"]["idle"]["8"]  # the same burst, refused at once
+    assert floor["refused"] == 8 and 0 < floor["refusal_p50"] <= floor["refusal_p99"]
+    assert "| idle | 8 | 8/8 |" in report
