@@ -28,12 +28,11 @@ frame sequence on it is `[header, *data]`: the header is one of the dataclasses 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pdserve.wire.messages import encode, unpack_map
+from pdserve.wire.messages import build_message, encode, unpack_map
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_TRANSFER_ID_CHARS = 256
@@ -138,21 +137,13 @@ def decode_header(data: bytes | memoryview) -> Any:
     cls = MESSAGE_TYPES.get(fields.pop("type", None))
     if cls is None:
         raise KVProtocolError("header has no known message type")
-    known = {f.name: f.type for f in dataclasses.fields(cls)}
-    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-    if not required <= set(fields) <= set(known):
-        raise KVProtocolError(
-            f"{cls.__name__} header has fields {sorted(fields)}; expected {sorted(known)}"
-        )
-    for name, annotation in known.items():
-        if name in fields and not _matches(fields[name], annotation):
-            raise KVProtocolError(f"{cls.__name__}.{name} is not a valid {annotation}")
-    transfer_id = fields["transfer_id"]
+    message = build_message(cls, fields, _matches, KVProtocolError)
+    transfer_id = message.transfer_id
     if not transfer_id or len(transfer_id) > MAX_TRANSFER_ID_CHARS:
         raise KVProtocolError(
             f"transfer id has {len(transfer_id)} characters; expected 1-{MAX_TRANSFER_ID_CHARS}"
         )
-    return cls(**fields)
+    return message
 
 
 def _matches(value: Any, annotation: str) -> bool:
