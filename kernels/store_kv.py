@@ -43,7 +43,7 @@ def _round_to_e4m3(x):
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     magnitude = ((tl.abs(x) / spacing + 12582912.0) - 12582912.0) * spacing
-    sign = bits & -2147483648
+    sign = (bits >> 31) << 31  # int32 shifts only: 0x80000000 as a literal would not be int32
     return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
