@@ -214,7 +214,7 @@ def complete_all(url: str, bodies: list[dict]) -> list[tuple[str, int]]:
 
 def check_serve_1p1d(scratch: Path) -> CheckResult:
     from pdserve.commands.serve_process import ServeProcess
-    from tests.tiny_models import save_tiny_model
+    from pdserve.testing.tiny_models import save_tiny_model
 
     model_dir = save_tiny_model("llama", scratch / "tiny-llama")
     flags = ["--model", str(model_dir), *serve_flags(sys.executable)]

@@ -112,7 +112,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny random-weight Llama (two KV heads for four query heads) with a byte tokenizer."""
-    from tests.tiny_models import save_tiny_model
+    from pdserve.testing.tiny_models import save_tiny_model
 
     return save_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 

@@ -6,9 +6,9 @@ prefill_node / decode_node, and commands/ launches them. Every folder is install
 The wire layer (wire/) and the text layer
 (text/) import no torch and no model code, and the router imports only them, so the router
 process never loads torch (test_router_process_never_loads_torch starts one to see). No
-serving code imports bench/ or tests/ (only `pdserve bench serve` dispatches to bench/, and
-bench's GPU check builds the tests' tiny models). Every import counts, including those inside
-functions.
+serving code imports bench/, tests/ or testing/ (only `pdserve bench serve` dispatches to
+bench/; testing/ holds the tiny random models the tests and bench's GPU check build, and
+nothing imports tests/). Every import counts, including those inside functions.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "router": {"wire", "text"},
     "commands": set(PROJECT),
     "bench": None,
+    "testing": set(),
 }
 # Packages whose processes must stay light: no torch, no model code.
 TORCH_FREE = ("wire", "text", "router")

@@ -50,7 +50,7 @@ def test_a_small_measurement_reads_at_a_plausible_rate():
 def test_the_linears_alone_are_timed_in_the_models_dtype(tmp_path, dtype):
     from pdserve.bench.decode_b1 import time_linears_b1
     from pdserve.engine.llm import LLM
-    from tests.tiny_models import save_tiny_model
+    from pdserve.testing.tiny_models import save_tiny_model
 
     llm = LLM(str(save_tiny_model("llama", tmp_path)), dtype=dtype, num_kv_blocks=16)
     assert 0 < time_linears_b1(llm.engine.runner.model) < 10

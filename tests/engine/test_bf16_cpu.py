@@ -1,7 +1,7 @@
 """bf16 on the CPU: how close the engine stays to transformers, stated as bounds.
 
 Token equality is the fp32 gate (test_greedy_parity.py); in bf16 it is not achievable, and
-these tests say what holds instead, on every supported family (tests/tiny_models.py), eight
+these tests say what holds instead, on every supported family (testing/tiny_models.py), eight
 prompts of 1 to 300 tokens, 48 greedy tokens each, on any CPU (bf16 runs everywhere in torch;
 a CPU without native bf16 is only slower):
 
@@ -37,7 +37,7 @@ from pdserve.engine.cpu_features import detect_cpu_features
 from pdserve.engine.layers.linear import Linear
 from tests.engine.prompt_scoring import prompt_logprobs
 from tests.engine.test_greedy_parity import NEW_TOKENS, make_prompts, reference_greedy
-from tests.tiny_models import save_tiny_model, tiny_configs
+from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 
 TIE_LOGIT_GAP = 0.25
 LOGPROB_BOUND = 0.75

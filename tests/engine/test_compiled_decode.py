@@ -16,7 +16,7 @@ from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.decode_batch_step import DecodeBatchStep
 from pdserve.engine.one_token_step import OneTokenStep
 from pdserve.kernels.cpu_gemv import cpu_gemv_available
-from tests.tiny_models import save_tiny_model
+from pdserve.testing.tiny_models import save_tiny_model
 
 needs_avx512_bf16 = pytest.mark.skipif(
     not cpu_gemv_available(), reason="the one-token kernels need a CPU with AVX512-BF16"

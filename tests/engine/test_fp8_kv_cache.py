@@ -15,7 +15,7 @@ float(stored) x scale, per-layer scales) in the engine.
   disaggregated fp8 serving equal colocated fp8 serving token for token
   (tests/nodes/test_fp8_disaggregated_nodes.py).
   Measured (2-core Xeon, scales 1.0, 8 prompts of 1-300 tokens, 32 greedy tokens):
-    tiny random models (tests/tiny_models.py, wide initializer, harsh on narrow caches, as in
+    tiny random models (testing/tiny_models.py, wide initializer, harsh on narrow caches, as in
     test_bf16_cpu.py): max |delta logprob| 1.38 (llama, mistral), 1.56 (llama3-rope-tied),
     1.20 (qwen2), 0.39 (qwen3) nats as prompts (chunked equal to whole within 2e-6), 0.28-1.56
     at decode steps; bound TINY_LOGPROB_BOUND = 2.5 nats.
@@ -44,7 +44,7 @@ from tests.engine.prompt_scoring import prompt_logprobs
 from tests.engine.test_forked_choices import choices_of, lone_tokens, prompt_of, run
 from tests.engine.test_greedy_parity import make_prompts
 from tests.engine.test_preemption_modes import check_everything_returned, pressure_prompts
-from tests.tiny_models import save_tiny_model, tiny_configs
+from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 
 FP8 = torch.float8_e4m3fn
 NEW_TOKENS = 32

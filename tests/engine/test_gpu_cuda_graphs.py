@@ -9,7 +9,7 @@ import pytest
 from pdserve.engine import LLM
 from tests.engine.test_greedy_parity import generate_and_check_clean, make_prompts, reference_greedy
 from tests.kernels.kernel_cases import DEVICE
-from tests.tiny_models import save_tiny_model
+from pdserve.testing.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cuda", reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)"

@@ -18,7 +18,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import build_model, load_model
 from pdserve.engine.model_config import ModelConfig
 from pdserve.node.cli import engine_config, node_parser
-from tests.tiny_models import tiny_configs
+from pdserve.testing.tiny_models import tiny_configs
 
 LLAMA_3_8B = {
     "vocab_size": 128256,

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
-from tests.tiny_models import save_tiny_model, tiny_configs
+from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 
 PROMPT_LENGTHS = (3, 17, 40, 300, 16, 1, 100, 77)
 NEW_TOKENS = 48

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, MistralConfig
 from pdserve.engine import LLM
 from tests.engine.test_greedy_parity import generate_and_check_clean, make_prompts, reference_greedy
 from tests.kernels.kernel_cases import DEVICE
-from tests.tiny_models import COMMON, byte_tokenizer, save_tiny_model
+from pdserve.testing.tiny_models import COMMON, byte_tokenizer, save_tiny_model
 
 ENGINE_OPTIONS = {
     "attention_backend": "triton",

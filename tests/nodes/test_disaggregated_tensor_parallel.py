@@ -36,7 +36,7 @@ from tests.nodes.test_fp8_disaggregated_nodes import (
     submit,
 )
 from tests.nodes.unlooped import capture_sends, unlooped_config
-from tests.tiny_models import save_tiny_model
+from pdserve.testing.tiny_models import save_tiny_model
 
 NEW_TOKENS = 12
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]

@@ -1,4 +1,5 @@
-"""Tiny random-weight models of each supported family, saved as ordinary model folders.
+"""Tiny random-weight models of each supported family, saved as ordinary model folders: what
+the tests and bench's GPU check (bench/gpu_checks.py) serve and compare against transformers.
 
 The weights are drawn with a wide initializer so greedy choices are decisive (far from ties),
 which keeps token-exact comparisons meaningful rather than a coin toss on rounding.
