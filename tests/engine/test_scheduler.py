@@ -10,9 +10,11 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
-def make_seq(name: str, num_tokens: int, group: str | None = None) -> Sequence:
+def make_seq(name: str, num_tokens: int, group: str | None = None, **rank: float) -> Sequence:
+    """A sequence of `num_tokens` prompt tokens; `rank` may set its priority and arrival_time."""
     return Sequence(
-        name, [1] * num_tokens, SamplingParams(), frozenset(), torch.device("cpu"), group=group
+        name, [1] * num_tokens, SamplingParams(), frozenset(), torch.device("cpu"), group=group,
+        **rank,
     )
 
 
@@ -51,13 +53,10 @@ def test_a_prompt_being_prefilled_keeps_its_turn_over_an_earlier_arrival_of_its_
     scheduler = Scheduler(
         BlockManager(64, 16), max_num_batched_tokens=32, max_num_seqs=8, priority_aging_s=0
     )
-    running = Sequence("running", [1] * 100, SamplingParams(), frozenset(), torch.device("cpu"),
-                       arrival_time=10.0)
-    scheduler.add(running)
+    scheduler.add(make_seq("running", 100, arrival_time=10.0))
     run_step(scheduler)
     for name in ("retried-1", "retried-2"):
-        scheduler.add(Sequence(name, [1] * 40, SamplingParams(), frozenset(),
-                               torch.device("cpu"), arrival_time=1.0))
+        scheduler.add(make_seq(name, 40, arrival_time=1.0))
     chunks = [[(s.seq.request_id, s.num_new_tokens) for s in run_step(scheduler).scheduled]
               for _ in range(3)]
     assert chunks == [
@@ -65,8 +64,7 @@ def test_a_prompt_being_prefilled_keeps_its_turn_over_an_earlier_arrival_of_its_
         [("running", 32)],
         [("running", 4), ("retried-1", 28)],
     ]
-    scheduler.add(Sequence("urgent", [1] * 8, SamplingParams(), frozenset(),
-                           torch.device("cpu"), priority=-1, arrival_time=20.0))
+    scheduler.add(make_seq("urgent", 8, priority=-1, arrival_time=20.0))
     out = run_step(scheduler)
     assert [s.seq.request_id for s in out.scheduled][:2] == ["urgent", "retried-1"]
 
