@@ -98,8 +98,8 @@ clean:
 # the check installs them.
 GPU_WHEELS := .gpu-wheels
 GPU_WHEELS_PYTHON := 3.12
-GPU_WHEEL_PACKAGES := 'pyzmq>=26' 'fastapi>=0.110' 'uvicorn>=0.29' 'pydantic>=2.6' \
-	'llguidance>=1.9.1,<2'
+GPU_WHEEL_PACKAGES := 'pyzmq>=26' 'fastapi>=0.110' 'uvicorn>=0.29' 'httptools>=0.6' \
+	'pydantic>=2.6' 'llguidance>=1.9.1,<2'
 # llguidance's wheels are tagged manylinux_2_31.
 GPU_WHEEL_PLATFORMS := manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
 	manylinux_2_26_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64

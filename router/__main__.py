@@ -27,18 +27,17 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.router.app import create_app
 from pdserve.router.config import CONFIG_ENV, RouterConfig
 from pdserve.router.drain import DrainingServer
+from pdserve.router.http_connection import RequestDeadlineProtocol
 from pdserve.wire.config_flags import add_flags, build, from_environment, in_flag_terms
 from pdserve.wire.log_format import LogSettings
 
-# Connections: one idle between requests (or since it opened) is closed after
-# KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within
+# Connections (router/http_connection.py): one idle between requests (or since it opened) is
+# closed after KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within
 # REQUEST_HEAD_TIMEOUT_S of the connection being ready for them, and be at most
 # MAX_REQUEST_HEAD_BYTES (else 400); the body must all arrive within REQUEST_BODY_TIMEOUT_S
 # of the head (1 MiB, the largest body, at 17 KB/s).
@@ -48,84 +47,6 @@ REQUEST_BODY_TIMEOUT_S = 60.0
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
 # The parts of $PDSERVE_ROUTER_CONFIG (router/config.py's CONFIG_ENV).
 CONFIG_PARTS = ("router", "log")
-
-
-class RequestDeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's head and for its body, and
-    the idle timeout from the start. uvicorn's keep-alive timer runs only after a response and
-    restarts at every byte, so a connection that never sends anything, or a client that sends
-    its request a byte a second (slow loris), would hold its connection forever.
-
-    Here, from the moment a connection is ready for a request (it opened, or the previous
-    request was read and answered), its whole head must arrive within `head_timeout_s`, and
-    then its whole body within `body_timeout_s`, however they trickle in; else the connection
-    is closed (a route reading the body sees its client gone)."""
-
-    def __init__(
-        self, *args: Any, head_timeout_s: float, body_timeout_s: float, **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.timeouts_s = {"head": head_timeout_s, "body": body_timeout_s}
-        self._deadline: asyncio.TimerHandle | None = None
-        self._awaiting: str | None = None  # the part of a request the deadline runs for
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler
-        )
-        self._follow_request()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._follow_request()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._follow_request()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._set_deadline(None)
-        super().connection_lost(exc)
-
-    def _follow_request(self) -> None:
-        """Starts the deadline of the part of a request the connection now waits for (h11:
-        IDLE, the head; SEND_BODY, the body), keeps the one running for the same part, and
-        stops it once the request has been read."""
-        state = self.conn.their_state
-        if self.transport.is_closing():
-            awaiting = None
-        elif state is h11.IDLE:
-            awaiting = "head"
-        elif state is h11.SEND_BODY:
-            awaiting = "body"
-        else:
-            awaiting = None
-        if awaiting != self._awaiting:
-            self._set_deadline(awaiting)
-
-    def _set_deadline(self, awaiting: str | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-        self._awaiting = awaiting
-        if awaiting is not None:
-            timeout_s = self.timeouts_s[awaiting]
-            self._deadline = self.loop.call_later(timeout_s, self._late, awaiting)
-
-    def _late(self, awaiting: str) -> None:
-        self._deadline = None
-        if self._awaiting != awaiting or self.transport.is_closing():
-            return
-        host, port = self.client or ("?", 0)
-        self.logger.info(
-            "%s:%d sent no complete request %s within %g s; closing its connection",
-            host,
-            port,
-            awaiting,
-            self.timeouts_s[awaiting],
-        )
-        self.transport.close()
 
 
 def uvicorn_config(
@@ -146,12 +67,12 @@ def uvicorn_config(
         lifespan="on",
         timeout_graceful_shutdown=5,
         http=functools.partial(
-            RequestDeadlineH11Protocol,
+            RequestDeadlineProtocol,
             head_timeout_s=head_timeout_s,
             body_timeout_s=body_timeout_s,
+            max_head_bytes=MAX_REQUEST_HEAD_BYTES,
         ),
         timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # seconds
-        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
     )
 
 

@@ -9,7 +9,8 @@ Every request runs behind `access_log.AccessLog` (its request id, `x-request-id`
 access line) and, inside it, `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
 on a connection that stays usable, and a generation is closed (its admission places and node
 sub-requests given back) when its request ends, however it ends. Inside it runs the API-key
-check (router/auth.py).
+check (router/auth.py), and inside that the early refusals under overload
+(router/overload_gate.py), before FastAPI routes the request.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdserve.router.access_log import AccessLog
 from pdserve.router.auth import APIKeyMiddleware
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import RequestGuard, install_error_handlers
+from pdserve.router.overload_gate import OverloadGate
 from pdserve.router.state import RouterState
 
 
@@ -45,6 +47,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     )
     app.state.router = state
     install_error_handlers(app, on_error=state.metrics.error)
+    app.add_middleware(OverloadGate, state=state, on_error=state.metrics.error)  # innermost
     app.add_middleware(APIKeyMiddleware, api_key=config.api_key, on_error=state.metrics.error)
     app.add_middleware(RequestGuard, on_error=state.metrics.error)
     app.add_middleware(AccessLog, enabled=config.log_requests)  # added last: outermost

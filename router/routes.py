@@ -3,7 +3,8 @@
 
 Request flow of the completions routes: admission queue full, or every node that could
 compute the prompt already past the queue-delay bound, counting the requests still being read
-and tokenized (429, before any parsing or tokenization) -> read the body (413/400; the server bounds how long it may take) -> validate
+and tokenized (429, before any parsing or tokenization, and before FastAPI routes the request:
+router/overload_gate.py) -> read the body (413/400; the server bounds how long it may take) -> validate
 (400: types, then parameters not implemented, router/unsupported.py; unknown fields logged)
 -> model (404) -> (chat) prompt characters vs. context (400, without tokenizing:
 `max_chars_per_token`) -> in a worker thread, never on the event loop: parameter checks and
@@ -49,8 +50,6 @@ logger = logging.getLogger(__name__)
 async def completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
-    state.admission.check_room()
-    state.client.check_overload()
     with state.client.arriving():
         data = await read_json_object(request, config.max_body_bytes)
         req = parse_request(state, CompletionRequest, data, "/v1/completions")
@@ -65,8 +64,6 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
-    state.admission.check_room()
-    state.client.check_overload()
     with state.client.arriving():
         data = await read_json_object(request, config.max_body_bytes)
         req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")

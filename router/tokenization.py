@@ -11,7 +11,7 @@ is refused: the chat template always ends with the assistant's turn header), the
 characters against the context (400, before tokenizing), token ids within the tokenizer's
 vocabulary (400 naming `tokens`). Tokenizing and decoding run in the app's worker threads,
 never on the event loop, each holding one place in the router's admission queue meanwhile
-(429 first, before the body is read, when the queue is full: router/admission.py).
+(429 first, before the body is read, when the queue is full: router/overload_gate.py).
 `/tokenize` needs a live node for `max_model_len` (503 otherwise); `/detokenize` needs none.
 """
 
@@ -31,7 +31,6 @@ from pdserve.router.validation import chat_prompt, check_model
 
 async def tokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
-    state.admission.check_room()
     data = await read_json_object(request, state.config.max_body_bytes)
     req = parse_request(state, TokenizeRequest, data, "/tokenize")
     check_model(req.model, state.config.model_names)
@@ -78,7 +77,6 @@ def _tokenize(req: TokenizeRequest, tokenizer: Any) -> tuple[list[int], list[str
 
 async def detokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
-    state.admission.check_room()
     data = await read_json_object(request, state.config.max_body_bytes)
     req = parse_request(state, DetokenizeRequest, data, "/detokenize")
     check_model(req.model, state.config.model_names)

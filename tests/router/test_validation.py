@@ -189,16 +189,31 @@ def test_context_length_is_checked(live):
     assert "maximum context length" in error["message"]
 
 
-def test_too_many_waiting_requests_is_429(app, live):
+GATED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+
+
+def test_a_full_queue_is_429_before_the_body_is_read(app, live):
+    """The overload gate answers before the route runs: a body that would be a 400 is a 429,
+    with the request id and Retry-After, counted as a rate-limit error; other routes pass."""
     config = app.state.router.config
-    saved = config.max_queued_requests
+    errors = app.state.router.metrics.request_errors.labels("rate_limit_error")
+    saved, refused_before = config.max_queued_requests, errors._value.get()
     config.max_queued_requests = 0
     try:
-        r = live.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-        assert_error(r, 429)
-        assert r.headers["retry-after"] == "1"
+        answers = [
+            live.post(path, content=b"{not json", headers={"x-request-id": f"gate-{i}"})
+            for i, path in enumerate(GATED_PATHS)
+        ]
+        models = live.get("/v1/models")
     finally:
         config.max_queued_requests = saved
+    for i, r in enumerate(answers):
+        assert assert_error(r, 429)["code"] == "rate_limit_exceeded"
+        assert r.headers["retry-after"] == "1" and r.headers["x-request-id"] == f"gate-{i}"
+    assert errors._value.get() - refused_before == len(GATED_PATHS)
+    assert models.status_code == 200
+    ok = live.post("/v1/completions", content=b"{not json")  # room again: the route reads it
+    assert_error(ok, 400)
 
 
 def test_metrics_are_prometheus_text(client):
@@ -230,6 +245,21 @@ def test_bad_or_missing_api_key_is_401(keyed_app, header):
     assert error["code"] == "invalid_api_key"
     assert_error(client.get("/v1/models", headers=headers), 401)
     assert_error(client.get("/metrics", headers=headers), 401)
+
+
+def test_the_api_key_is_checked_before_the_overload_gate(keyed_app):
+    config = keyed_app.state.router.config
+    saved, config.max_queued_requests = config.max_queued_requests, 0
+    try:
+        client = TestClient(keyed_app)
+        stranger = client.post("/v1/completions", content=b"{}")
+        keyed = client.post(
+            "/v1/completions", content=b"{}", headers={"authorization": f"Bearer {KEY}"}
+        )
+    finally:
+        config.max_queued_requests = saved
+    assert_error(stranger, 401)
+    assert_error(keyed, 429)
 
 
 def test_right_api_key_passes_and_health_needs_none(keyed_app):
