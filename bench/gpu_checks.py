@@ -290,7 +290,7 @@ def time_decode_steps(
     timed ones, synchronised with the device; the requests are aborted afterwards."""
     import torch
 
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.wire.sampling_params import SamplingParams
 
     cuda = engine.runner.device.type == "cuda"
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)

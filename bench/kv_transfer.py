@@ -259,8 +259,8 @@ def _verdict(transport: str, size_mib: int, ratio: float, target: float) -> str:
 def overlap_rows(args, logs: Path) -> tuple[list[list[str]], str]:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.kvtransfer.fingerprint import model_fingerprint
+    from pdserve.wire.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(
         model=args.model, max_num_batched_tokens=args.chunk_tokens,

@@ -29,7 +29,7 @@ from pdserve.bench.machine import command_line, machine_info
 from pdserve.bench.report import md_table
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -25,7 +25,7 @@ from pdserve.bench.machine import command_line, load_average, machine_info
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_features import usable_cores
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 # ~160M parameters: 8 layers of hidden 1024, 16 heads over 8 KV heads, MLP 2816, vocab 32000.
 BUILT_IN_CONFIG = {

@@ -51,13 +51,13 @@ from typing import Any
 from pdserve.decode_node.borrowed_threads import BorrowedThreads
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import ChannelReceiver, ReceiverConfig, TransferKind
 from pdserve.kvtransfer.fingerprint import model_fingerprint
 from pdserve.node.config import NodeConfig
-from pdserve.node.generation import Generation, choice_params, request_params
+from pdserve.node.generation import Generation, check_request_id, choice_params
 from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime, refuse_tensor_parallel_on_gpu
 from pdserve.wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
+from pdserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,8 @@ class DecodeNode(NodeRuntime):
     def _admit_disaggregated(self, message: Generate) -> None:
         request_id = message.request_id
         try:
-            params = request_params(request_id, message.sampling, self._in_use(request_id))
+            check_request_id(request_id, self._in_use(request_id))
+            params = message.sampling
             choices = choice_params(message, self._in_use)
             for _, choice in choices:
                 self.engine.validate_prompt(message.prompt_token_ids, choice)

@@ -15,7 +15,7 @@ __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
 _LAZY = {
     "LLM": "pdserve.engine.llm",
     "RequestOutput": "pdserve.engine.outputs",
-    "SamplingParams": "pdserve.engine.sampling_params",
+    "SamplingParams": "pdserve.wire.sampling_params",
 }
 
 

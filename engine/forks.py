@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine

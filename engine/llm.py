@@ -10,7 +10,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -37,13 +37,13 @@ from pdserve.engine.prompt_checks import check_prompt
 from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
 from pdserve.engine.queue_wait import QueueWaitStats
 from pdserve.engine.sampler import SampleResult, skip_sample
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_failure import StepFailure, find_culprits
 from pdserve.engine.structured_output import StructuredOutput
 from pdserve.engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
 from pdserve.text.tokenizer import load_tokenizer
+from pdserve.wire.sampling_params import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

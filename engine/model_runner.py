@@ -33,12 +33,12 @@ from pdserve.engine.models.llama import shard_layout
 from pdserve.engine.one_token_step import OneTokenStep
 from pdserve.engine.prompt_logprobs import ScoringPlan
 from pdserve.engine.sampler import Sampler, SampleResult
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.shared_kv_cache import SharedKVCache
 from pdserve.engine.swap_space import SwapSpace
 from pdserve.wire.limits import MAX_LOGPROBS
+from pdserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.cuda_graphs import DecodeGraphs

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from pdserve.engine.outputs import RequestOutput, StepOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pdserve.wire.sampling_params import SamplingParams
 
 
 @dataclass

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.prompt_logprobs import PromptLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.structured_output import SequenceGrammar

@@ -8,9 +8,9 @@ import time
 from typing import TYPE_CHECKING
 
 from pdserve.engine.sampler import SampleResult
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine

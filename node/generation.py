@@ -34,7 +34,6 @@ from pdserve.engine.distributed.group import RankFailure
 from pdserve.engine.forks import join_prefilled_choices
 from pdserve.engine.llm_engine import LLMEngine, StepFailure
 from pdserve.engine.outputs import StepOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.wire.messages import (
     Generate,
     PrefillDone,
@@ -44,28 +43,28 @@ from pdserve.wire.messages import (
     TokenBatch,
     TokenUpdate,
 )
+from pdserve.wire.sampling_params import SamplingParams
 from pdserve.wire.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 
 
-def request_params(request_id: str, sampling: dict[str, Any], in_use: bool) -> SamplingParams:
-    """The checks every role makes before taking a request: its id is not in use here and its
-    sampling settings are valid. ValueError or TypeError (the request's 400) otherwise."""
+def check_request_id(request_id: str, in_use: bool) -> None:
+    """The check every role makes before taking a request (its sampling settings were checked
+    as its message was decoded): its id is not in use here. ValueError (the request's 400)
+    otherwise."""
     if in_use:
         raise ValueError(f"request id {request_id!r} is already in use")
-    return SamplingParams(**sampling)
 
 
 def choice_params(
     message: Generate | PrefillRequest, in_use: Callable[[str], bool]
 ) -> list[tuple[str, SamplingParams]]:
-    """Each choice's id and checked sampling settings (none for a one-choice request);
-    ValueError or TypeError (the request's 400) otherwise."""
-    return [
-        (c.request_id, request_params(c.request_id, c.sampling, in_use(c.request_id)))
-        for c in message.choices
-    ]
+    """Each choice's id and sampling settings (none for a one-choice request); ValueError (the
+    request's 400) for an id in use."""
+    for choice in message.choices:
+        check_request_id(choice.request_id, in_use(choice.request_id))
+    return [(c.request_id, c.sampling) for c in message.choices]
 
 
 def step_failure(request_id: str, error: Exception, doing: str) -> RequestFailed:
@@ -96,7 +95,8 @@ class Generation:
         """Queues a request whose prompt this engine computes; its refusal, if refused."""
         request_id = message.request_id
         try:
-            params = request_params(request_id, message.sampling, self.in_use(request_id))
+            check_request_id(request_id, self.in_use(request_id))
+            params = message.sampling
             choices = choice_params(message, self.in_use)
             self.engine.add_request(
                 request_id, message.prompt_token_ids, params, message.priority,

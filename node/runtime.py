@@ -44,7 +44,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.config import NodeConfig
 from pdserve.node.heartbeat import HeartbeatThread
-from pdserve.wire.messages import Heartbeat, NodeStats, ProtocolError, decode, encode
+from pdserve.wire.messages import (
+    Heartbeat,
+    InvalidRequest,
+    NodeStats,
+    ProtocolError,
+    RequestFailed,
+    decode,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +192,10 @@ class NodeRuntime:
                 return
             try:
                 message = decode(data)
+            except InvalidRequest as error:
+                logger.info("rejected request %s: %s", error.request_id, error)
+                self.send(RequestFailed(error.request_id, str(error), 400))
+                continue
             except ProtocolError as error:
                 logger.warning("dropped a malformed message (%d bytes): %s", len(data), error)
                 continue

@@ -41,7 +41,7 @@ from pdserve.engine.llm_engine import LLMEngine, StepFailure
 from pdserve.kvtransfer import ChannelSender, KVDescriptor, KVSender, SenderConfig, TransferKind
 from pdserve.kvtransfer.fingerprint import model_fingerprint
 from pdserve.node.config import NodeConfig
-from pdserve.node.generation import choice_params, request_params, step_failure
+from pdserve.node.generation import check_request_id, choice_params, step_failure
 from pdserve.node.runtime import NodeRuntime, refuse_tensor_parallel_on_gpu
 from pdserve.prefill_node.prefill_engine import BlockWrite, FirstToken, PrefillEngine
 from pdserve.wire.messages import (
@@ -123,7 +123,8 @@ class PrefillNode(NodeRuntime):
         500 for anything else."""
         request_id = message.request_id
         try:
-            params = request_params(request_id, message.sampling, self._in_use(request_id))
+            check_request_id(request_id, self._in_use(request_id))
+            params = message.sampling
             choices = choice_params(message, self._in_use)
             sender = self._sender(message.kv_descriptor)
             self.prefill.add(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
 from pdserve.engine.sampler import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """How a generation's choices travel to the nodes: ONE Generate per prompt carrying its n
 choices, so the prompt is computed (and, disaggregated, transferred) once and forked into them
 on the node (engine/forks.py); each choice keeps its own sub-request id (`<request id>-<choice
-index>`, the index being prompt x n + i) and its own sampling arguments (seed + i), under which
+index>`, the index being prompt x n + i) and its own sampling settings (seed + i), under which
 its tokens, failures and aborts travel.
 
 A prompt's choices go one message each instead when they cannot be forked from one prompt:
@@ -12,9 +12,9 @@ A retried choice (router/node_client.py) is always sent again alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.router.validation import Plan
+from pdserve.wire.sampling_params import SamplingParams
 
 
 @dataclass
@@ -25,7 +25,7 @@ class ChoiceGroup:
     prompt_id: str
     prompt: list[int]
     indices: list[int]
-    choices: list[tuple[str, dict[str, Any]]]  # (sub-request id, sampling arguments)
+    choices: list[tuple[str, SamplingParams]]  # (sub-request id, its sampling settings)
 
 
 def choice_groups(request_id: str, plan: Plan) -> list[ChoiceGroup]:
@@ -35,7 +35,7 @@ def choice_groups(request_id: str, plan: Plan) -> list[ChoiceGroup]:
     for prompt_index, prompt in enumerate(plan.prompts):
         indices = list(range(prompt_index * per_prompt, (prompt_index + 1) * per_prompt))
         choices = [(f"{request_id}-{i}", plan.samplings[i]) for i in indices]
-        if any(sampling.get("structured_output") is not None for _, sampling in choices):
+        if any(sampling.structured_output is not None for _, sampling in choices):
             groups += [
                 ChoiceGroup(sub_id, prompt, [i], [(sub_id, sampling)])
                 for i, (sub_id, sampling) in zip(indices, choices)

@@ -15,7 +15,7 @@ in `usage`; OpenAI, and this server, do not).
 streaming: vLLM refuses a positive value with `stream`; this server refuses any, so nothing
 asked for is silently left out.
 
-Either asks the nodes to score the prompt (`prompt_logprobs` in the sampling arguments, with
+Either asks the nodes to score the prompt (`prompt_logprobs` in the sampling settings, with
 the larger of the two alternative counts; engine/prompt_logprobs.py), for prompts of at most
 MAX_PROMPT_LOGPROBS_TOKENS tokens. A prompt scored takes no prefix-cache hit on the node.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.router.errors import invalid
 from pdserve.router.prompts import PromptInput
-from pdserve.wire.limits import INT32_MAX, MAX_LOGPROBS, MAX_PROMPT_LOGPROBS_TOKENS
+from pdserve.wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 
 
 @dataclass(frozen=True)
@@ -47,22 +47,13 @@ def check_prompt_scoring(req: Any, logprobs: int | None) -> PromptScoring:
     echo = bool(getattr(req, "echo", False))
     prompt_only = echo and req.max_tokens == 0
     if req.max_tokens == 0 and not echo:
-        raise invalid(
-            f"'max_tokens' must be between 1 and {INT32_MAX:,}; 0 is allowed only with "
-            "'echo': true.",
-            "max_tokens",
-        )
+        raise invalid("'max_tokens' may be 0 only with 'echo': true.", "max_tokens")
     if prompt_only and req.min_tokens > 0:
         raise invalid("'min_tokens' must be 0 when 'max_tokens' is 0.", "min_tokens")
-    if req.prompt_logprobs is not None:
-        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-            raise invalid(
-                f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}.", "prompt_logprobs"
-            )
-        if req.stream:
-            raise invalid(
-                "'prompt_logprobs' are not available when 'stream' is true.", "prompt_logprobs"
-            )
+    if req.prompt_logprobs is not None and req.stream:  # its range: SamplingParams'
+        raise invalid(
+            "'prompt_logprobs' are not available when 'stream' is true.", "prompt_logprobs"
+        )
     asked = [k for k in (req.prompt_logprobs, logprobs if echo else None) if k is not None]
     return PromptScoring(echo, prompt_only, max(asked) if asked else None)
 

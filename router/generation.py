@@ -34,7 +34,7 @@ from typing import Any
 
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.choice_groups import ChoiceGroup, choice_groups
-from pdserve.router.errors import APIError, ClientDisconnected, invalid
+from pdserve.router.errors import APIError, ClientDisconnected
 from pdserve.router.logprobs import check_prompt_entries
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClient
@@ -47,7 +47,6 @@ from pdserve.wire.messages import RequestFailed, TokenUpdate
 # streams of a 1,000-request burst on a loaded host cost the router about a third of its loop
 # (profiled), and its 429s answered 1.0 s after arrival instead of 0.7 s.
 DISCONNECT_POLL_S = 0.5
-WIRE_INT_RANGE = (-(1 << 63), 1 << 64)  # what msgpack can encode: int64 up to uint64
 
 
 class UpdateQueue(asyncio.Queue):
@@ -176,8 +175,8 @@ class Generation:
 
     def start(self) -> None:
         """Takes the choices' places in the admission queue (429 when it is full), then
-        submits every choice: 503 when no node can take one, 400 when a sampling value cannot
-        be sent to a node. Nothing here awaits, so the admission check and the submits happen
+        submits every choice: 503 when no node can take one (SamplingParams bounds every
+        number to what the wire carries). Nothing here awaits, so the admission check and the submits happen
         in one event-loop turn. On any error the places taken and the choices already
         submitted stay held until `close()`, which the owner calls in every case."""
         if self.admission is not None:
@@ -210,20 +209,6 @@ class Generation:
             raise  # a bug, not a missing node (KeyError is a LookupError)
         except (LookupError, RuntimeError) as error:
             raise APIError(503, f"No node can take the request now ({error}).") from None
-        except OverflowError:
-            raise self._unsendable(group.choices[0][1]) from None
-
-    def _unsendable(self, sampling: dict[str, Any]) -> APIError:
-        """The 400 for a sampling value too large for the wire (validation bounds them all;
-        this is the last line, so the request fails alone and cleanly)."""
-        low, high = WIRE_INT_RANGE
-        for name, value in sampling.items():
-            if isinstance(value, int) and not low <= value < high:
-                return invalid(
-                    f"'{name}' must be between {low:,} and {high - 1:,} to be sent to a node.",
-                    name,
-                )
-        return invalid("A sampling value of the request is too large to be sent to a node.")
 
     def close(self) -> None:
         """Aborts every sub-request that has not finished and gives back every admission

@@ -66,6 +66,7 @@ from pdserve.wire.messages import (
     TokenBatch,
     decode,
 )
+from pdserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class NodeClient:
         self,
         request_id: str,
         prompt_ids: list[int],
-        sampling: dict[str, Any],
+        sampling: SamplingParams,
         queue: asyncio.Queue | None = None,
         priority: int = 0,
     ) -> asyncio.Queue:
@@ -174,7 +175,7 @@ class NodeClient:
         self,
         prompt_id: str,
         prompt_ids: list[int],
-        choices: list[tuple[str, dict[str, Any]]],
+        choices: list[tuple[str, SamplingParams]],
         queue: asyncio.Queue | None = None,
         priority: int = 0,
         group: str | None = None,

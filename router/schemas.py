@@ -47,7 +47,7 @@ class _CommonParams(_Request):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)  # lower is served first
     skip_special_tokens: bool = True
-    # the next-token distribution (router/logit_controls.py)
+    # the next-token distribution (router/sampling.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

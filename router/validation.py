@@ -1,19 +1,17 @@
 """Turns a parsed request into what the router submits: prompt ids, per-choice sampling
-arguments for the node, stop strings. Every check here raises a 400 `APIError` naming the
+settings for the node, stop strings. Every check here raises a 400 `APIError` naming the
 parameter; messages state the rule and the limit, not the client's input (context-length
 errors state the token counts, as OpenAI's do).
 
-Every number a client sends is bounded here before any arithmetic on it (the schema bounds
-`priority`): counts to int32, `seed` to signed 64-bit, `temperature` to [0, 100], `top_p` to
-(0, 1], token ids to the vocabulary, `min_tokens` to the resolved max_tokens. As in vLLM, a
-temperature below 1e-5 is sent as 0 (greedy) and a top_k that keeps the whole vocabulary as
--1. Text must be valid Unicode and whatever the tokenizer refuses is the client's 400; stop
-strings are bounded in length. The nodes check all of it again (engine.sampling_params).
+Every number a client sends is bounded before any arithmetic on it (the schema bounds
+`priority`): the sampling settings by building them (router/sampling.py: SamplingParams'
+construction is their one check), `n`, the stop strings and the prompts here, token ids
+against the vocabulary, the completion against the context. Text must be valid Unicode and
+whatever the tokenizer refuses is the client's 400.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,19 +19,13 @@ from typing import Any
 from pdserve.router.config import RouterConfig
 from pdserve.router.echo import PromptScoring, check_prompt_scoring, check_scored_prompt, echo_text
 from pdserve.router.errors import APIError, invalid
-from pdserve.router.logit_controls import check_logit_controls, logit_control_params
 from pdserve.router.prompts import PromptInput, check_num_choices, split_prompts
+from pdserve.router.sampling import choice_samplings, request_sampling
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.structured import output_spec
 from pdserve.router.tools import ToolPlan, check_tools, template_input
-from pdserve.wire.limits import (
-    GREEDY_TEMPERATURE_BELOW,
-    INT32_MAX,
-    MAX_LOGPROBS,
-    MAX_TEMPERATURE,
-)
+from pdserve.wire.sampling_params import SamplingParams
 
-SEED_LIMIT = 1 << 63
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRING_CHARS = 1024
 
@@ -51,7 +43,7 @@ class Plan:
     router/tool_output.py reads out of each choice's text."""
 
     prompts: list[list[int]]
-    samplings: list[dict[str, Any]]
+    samplings: list[SamplingParams]
     stop: list[str]
     skip_special_tokens: bool = True
     logprobs: int | None = None
@@ -91,25 +83,8 @@ def _clip(text: str, limit: int = 64) -> str:
     return clipped if len(text) <= limit else clipped + "..."
 
 
-def check_common(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, config: RouterConfig
-) -> list[str]:
-    """Checks the parameters shared by both APIs; returns the stop strings. What passes fits
-    a node's tensors and the wire (msgpack carries 64-bit integers at most)."""
-    if max_tokens is not None and not 1 <= max_tokens <= INT32_MAX:
-        chat_limit = getattr(req, "max_completion_tokens", None)
-        name = "max_completion_tokens" if chat_limit is not None else "max_tokens"
-        raise invalid(f"'{name}' must be between 1 and {INT32_MAX:,}.", name)
-    if req.temperature is not None and not (
-        math.isfinite(req.temperature) and 0 <= req.temperature <= MAX_TEMPERATURE
-    ):
-        raise invalid(f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}.", "temperature")
-    if req.top_p is not None and not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-        raise invalid("'top_p' must be in (0, 1].", "top_p")
-    if req.top_k is not None and not -1 <= req.top_k <= INT32_MAX:
-        raise invalid(
-            f"'top_k' must be -1 or 0 (disabled), or between 1 and {INT32_MAX:,}.", "top_k"
-        )
+def check_common(req: CompletionRequest | ChatCompletionRequest, config: RouterConfig) -> list[str]:
+    """Checks what both APIs share beyond the sampling settings; returns the stop strings."""
     if not 1 <= req.n <= config.max_n:
         raise invalid(f"'n' must be between 1 and {config.max_n}.", "n")
     if req.priority != 0 and not config.allow_client_priority:
@@ -118,12 +93,6 @@ def check_common(
             "--allow-client-priority.",
             "priority",
         )
-    if not 0 <= req.min_tokens <= INT32_MAX:
-        raise invalid(f"'min_tokens' must be between 0 and {INT32_MAX:,}.", "min_tokens")
-    if max_tokens is not None and req.min_tokens > max_tokens:
-        raise invalid("'min_tokens' must not exceed 'max_tokens'.", "min_tokens")
-    if req.seed is not None and not -SEED_LIMIT <= req.seed < SEED_LIMIT - config.max_n:
-        raise invalid("'seed' must be a signed 64-bit integer.", "seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > config.max_stop:
         raise invalid(f"'stop' accepts at most {config.max_stop} strings.", "stop")
@@ -133,23 +102,7 @@ def check_common(
         )
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
-    check_logit_controls(req)
     return [s for s in stop if s]
-
-
-def check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise invalid(f"'{param}' must be between 0 and {MAX_LOGPROBS}.", param)
-
-
-def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
-    """Once max_tokens is resolved (a default or the room left in the context)."""
-    if min_tokens > max_tokens:
-        raise invalid(
-            f"'min_tokens' must not exceed the completion's limit of {max_tokens:,} tokens "
-            "('max_tokens', or the room the prompt leaves in the context).",
-            "min_tokens",
-        )
 
 
 def prompt_ids(prompt: PromptInput, tokenizer: Any) -> list[int]:
@@ -196,7 +149,7 @@ def resolve_max_tokens(
     max_tokens = requested if requested is not None else default
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len
-    if prompt_len + max(max_tokens, 1) > max_model_len or max_tokens < 1:
+    if prompt_len + max(max_tokens, 1) > max_model_len:
         raise invalid(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the prompt, "
@@ -225,7 +178,7 @@ def check_kv_capacity(plan: Plan, capacity: KVCapacity) -> None:
         return
     for choice, sampling in enumerate(plan.samplings):
         if choice % plan.choices_per_prompt == 0:
-            _check_kv_need(len(plan.prompt_of(choice)), sampling["max_tokens"], capacity)
+            _check_kv_need(len(plan.prompt_of(choice)), sampling.max_tokens, capacity)
 
 
 def _check_kv_need(prompt: int, max_tokens: int, capacity: KVCapacity) -> None:
@@ -249,43 +202,6 @@ def _check_kv_need(prompt: int, max_tokens: int, capacity: KVCapacity) -> None:
             )
 
 
-def samplings(
-    req: CompletionRequest | ChatCompletionRequest,
-    max_tokens: int,
-    logprobs: int | None,
-    vocab_size: int,
-    prompt_logprobs: int | None = None,
-    structured_output: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """One SamplingParams kwargs dict per choice (seed + i when a seed is given). As in vLLM,
-    a temperature below 1e-5 is greedy (0) and a top_k that keeps the whole vocabulary is
-    disabled (-1). `prompt_logprobs` and `structured_output` (router/structured.py) are sent
-    only when set."""
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
-    top_k = req.top_k
-    base: dict[str, Any] = {
-        "temperature": 0.0 if temperature < GREEDY_TEMPERATURE_BELOW else temperature,
-        "top_p": 1.0 if req.top_p is None else float(req.top_p),
-        "top_k": -1 if top_k is None or top_k == 0 or top_k >= vocab_size else top_k,
-        "max_tokens": max_tokens,
-        "min_tokens": req.min_tokens,
-        "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs,
-        "skip_special_tokens": req.skip_special_tokens,
-        **logit_control_params(req, vocab_size),
-    }
-    if prompt_logprobs is not None:
-        base["prompt_logprobs"] = prompt_logprobs
-    if structured_output is not None:
-        base["structured_output"] = structured_output
-    out = []
-    for i in range(req.n):
-        params = dict(base)
-        params["seed"] = None if req.seed is None else req.seed + i
-        out.append(params)
-    return out
-
-
 def plan_completion(
     req: CompletionRequest,
     config: RouterConfig,
@@ -300,8 +216,8 @@ def plan_completion(
     scoring = check_prompt_scoring(req, req.logprobs)
     structured_output = output_spec(req)
     requested = 1 if scoring.prompt_only else req.max_tokens  # max_tokens 0: one, dropped
-    stop = check_common(req, requested, config)
-    check_logprobs(req.logprobs, "logprobs")
+    stop = check_common(req, config)
+    sampling = request_sampling(req, requested, req.logprobs, scoring.num_top, structured_output)
     prompts = split_prompts(req.prompt)
     check_num_choices(len(prompts), req.n, config.max_choices)
     for prompt in prompts:
@@ -324,11 +240,8 @@ def plan_completion(
             max_model_len,
             ("max_tokens", prompt.param),
         )
-        check_min_tokens(req.min_tokens, max_tokens)
         all_ids.append(ids)
-        all_samplings += samplings(
-            req, max_tokens, req.logprobs, vocab_size, scoring.num_top, structured_output
-        )
+        all_samplings += choice_samplings(sampling, max_tokens, vocab_size, req.n)
     return Plan(
         all_ids,
         all_samplings,
@@ -347,18 +260,21 @@ def plan_chat(
 ) -> Plan:
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = getattr(req, limit_param)
-    stop = check_common(req, requested, config)
-    if req.max_tokens is not None and not 1 <= req.max_tokens <= INT32_MAX:  # superseded
-        raise invalid(f"'max_tokens' must be between 1 and {INT32_MAX:,}.", "max_tokens")
+    stop = check_common(req, config)
+    if limit_param == "max_completion_tokens" and req.max_tokens is not None:  # superseded
+        request_sampling(req, req.max_tokens, None)  # but still a valid number
     if req.echo:
         raise invalid("'echo' is available on /v1/completions only.", "echo")
     scoring = check_prompt_scoring(req, None)
     tools = check_tools(req)
     structured_output = output_spec(req, tools)
-    check_logprobs(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = {"max_tokens": limit_param, "logprobs": "top_logprobs"}
+    sampling = request_sampling(
+        req, requested, logprobs, scoring.num_top, structured_output, params
+    )
     max_model_len, vocab_size = limits()
     ids = chat_prompt(req, tokenizer, tools)
     check_prompt_ids(ids, vocab_size, "messages")
@@ -366,10 +282,9 @@ def plan_chat(
     max_tokens = resolve_max_tokens(
         requested, None, len(ids), max_model_len, (limit_param, "messages")
     )
-    check_min_tokens(req.min_tokens, max_tokens)
     return Plan(
         [ids],
-        samplings(req, max_tokens, logprobs, vocab_size, scoring.num_top, structured_output),
+        choice_samplings(sampling, max_tokens, vocab_size, req.n, params),
         stop,
         req.skip_special_tokens,
         logprobs,

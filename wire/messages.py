@@ -1,9 +1,11 @@
 """Wire messages between the router and the nodes: msgpack maps, nothing executable.
 
 Every message is a small dataclass with a `type` tag. `encode(message) -> bytes` packs its
-fields; `decode(data) -> message` unpacks with size limits, looks the tag up, and checks every
-field's type before constructing the dataclass, raising `ProtocolError` on anything malformed
-or unknown (receivers log and drop such messages; they never crash on them).
+fields (nested messages as maps, SamplingParams as its wire map); `decode(data) -> message`
+unpacks with size limits, looks the tag up, and checks every field's type before constructing
+the dataclass, building its nested messages and its SamplingParams (checked as at
+construction) the same way, raising `ProtocolError` on anything malformed or unknown
+(receivers log and drop such messages; they never crash on them).
 
 Flows, colocated mode:
   router -> node     Generate, Abort
@@ -45,6 +47,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
+from pdserve.wire.sampling_params import SamplingError, SamplingParams
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -53,13 +56,22 @@ class ProtocolError(ValueError):
     """A message that is not valid msgpack, has an unknown type, or has ill-typed fields."""
 
 
+class InvalidRequest(ProtocolError):
+    """A well-formed request message whose sampling settings fail their checks: the receiver
+    answers `request_id` with a 400 (RequestFailed) instead of dropping it silently."""
+
+    def __init__(self, message: str, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 @dataclass
 class Choice:
     """One of n choices of a prompt: the id its tokens and failures travel under, and its
-    own SamplingParams keyword arguments."""
+    own sampling settings."""
 
     request_id: str
-    sampling: dict[str, Any]
+    sampling: SamplingParams
 
 
 @dataclass
@@ -73,7 +85,7 @@ class ChoiceToken:
 
 @dataclass
 class Generate:
-    """Start a request. `sampling` holds SamplingParams keyword arguments. With
+    """Start a request, sampled by `sampling`. With
     `prefill_address` (to a decode node), that prefill node computes the prompt. Lower
     `priority` is served first (engine.sequence_queue). With `choices` (2 to
     MAX_CHOICES_PER_PROMPT), the prompt is computed once under `request_id` with `sampling`
@@ -84,7 +96,7 @@ class Generate:
     type: ClassVar[str] = "generate"
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     prefill_address: str | None = None
     priority: int = 0
     choices: list[Choice] = field(default_factory=list)
@@ -100,7 +112,7 @@ class PrefillRequest:
     type: ClassVar[str] = "prefill_request"
     request_id: str
     prompt_token_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     dst_block_ids: list[int]
     decode_address: str
     kv_descriptor: bytes
@@ -245,9 +257,21 @@ MESSAGE_TYPES: dict[str, type] = {
 
 
 def encode(message: Any) -> bytes:
-    fields = dataclasses.asdict(message)
+    fields = _wire_map(message)
     fields["type"] = message.type
     return msgpack.packb(fields, use_bin_type=True)
+
+
+def _wire_map(message: Any) -> dict[str, Any]:
+    return {f.name: _wire_value(getattr(message, f.name)) for f in dataclasses.fields(message)}
+
+
+def _wire_value(value: Any) -> Any:
+    if isinstance(value, SamplingParams):
+        return value.to_wire()
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        return [_wire_map(item) for item in value]
+    return value
 
 
 def unpack_map(
@@ -275,22 +299,47 @@ def decode(data: bytes) -> Any:
     cls = MESSAGE_TYPES.get(fields.pop("type", None))
     if cls is None:
         raise ProtocolError("unknown message type")
-    if cls is TokenBatch and isinstance(fields.get("updates"), list):
-        fields["updates"] = [build_message(TokenUpdate, u) for u in fields["updates"]]
-    nested = _NESTED_CHOICES.get(cls)
-    if nested is not None and isinstance(fields.get("choices"), list):
-        choices = fields["choices"]
-        if len(choices) > MAX_CHOICES_PER_PROMPT:
-            raise ProtocolError(
-                f"{cls.__name__} has {len(choices)} choices; at most {MAX_CHOICES_PER_PROMPT}"
-            )
-        fields["choices"] = [build_message(nested, c) for c in choices]
+    try:
+        return _build(cls, fields)
+    except SamplingError as error:
+        request_id = fields.get("request_id")
+        if isinstance(request_id, str):
+            raise InvalidRequest(str(error), request_id) from None
+        raise ProtocolError(f"{cls.__name__}: {error}") from None
+
+
+# Nested messages, by their field's annotation: the message and the most a list may hold.
+_NESTED: dict[str, tuple[type, int | None]] = {
+    "list[TokenUpdate]": (TokenUpdate, None),
+    "list[Choice]": (Choice, MAX_CHOICES_PER_PROMPT),
+    "list[ChoiceToken]": (ChoiceToken, MAX_CHOICES_PER_PROMPT),
+}
+
+
+def _build(cls: type, fields: Any) -> Any:
+    """`build_message` after building the map's nested messages and sampling settings."""
+    if isinstance(fields, dict):
+        for spec in dataclasses.fields(cls):
+            value = fields.get(spec.name)
+            if spec.type == "SamplingParams" and spec.name in fields:
+                fields[spec.name] = _sampling(cls, value)
+            elif spec.type in _NESTED and isinstance(value, list):
+                nested, most = _NESTED[spec.type]
+                if most is not None and len(value) > most:
+                    raise ProtocolError(
+                        f"{cls.__name__} has {len(value)} {spec.name}; at most {most}"
+                    )
+                fields[spec.name] = [_build(nested, item) for item in value]
     return build_message(cls, fields)
 
 
-_NESTED_CHOICES: dict[type, type] = {
-    Generate: Choice, PrefillRequest: Choice, PrefillDone: ChoiceToken
-}
+def _sampling(cls: type, value: Any) -> SamplingParams:
+    try:
+        return SamplingParams.from_wire(value)
+    except SamplingError:
+        raise
+    except (ValueError, TypeError) as error:  # construction's own TypeError (say, a list key)
+        raise SamplingError("sampling", f"is not valid: {error}", subject="") from None
 
 
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}
@@ -338,6 +387,8 @@ def _matches(value: Any, annotation: str) -> bool:
         return isinstance(value, list) and all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         )
+    if annotation == "SamplingParams":
+        return isinstance(value, SamplingParams)
     if annotation.startswith("list["):
         return isinstance(value, list)
     if annotation.startswith("dict["):

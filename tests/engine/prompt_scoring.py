@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 
 def prompt_logprobs(model_dir: str, sequences, **config) -> list[torch.Tensor]:

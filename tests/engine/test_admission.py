@@ -9,9 +9,9 @@ import torch
 from pdserve.engine import LLM
 from pdserve.engine.admission import AdmissionPolicy, OutputLengthPredictor
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
+from pdserve.wire.sampling_params import SamplingParams
 
 
 def test_the_predictor_reserves_the_quantile_of_observed_fractions_of_max_tokens():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.wire.sampling_params import SamplingParams
 
 
 def make_seq(name: str, num_tokens: int) -> Sequence:

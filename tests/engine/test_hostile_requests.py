@@ -18,9 +18,9 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.llm_engine import StepFailure
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sequence import Sequence
-from pdserve.wire.messages import Generate, NodeStats
-from tests.nodes.test_colocated_node import Router, free_port
 from pdserve.testing.tiny_models import VOCAB_SIZE
+from pdserve.wire.messages import Generate, NodeStats
+from tests.nodes.test_colocated_node import Router, free_port, raw_generate
 
 PROMPTS = [[5, 17, 99, 300], [42] * 9, list(range(100, 131)), [7, 8], [300, 200, 100] * 5]
 
@@ -222,17 +222,20 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
     try:
         router.wait()
         wire = {
-            request_id: (prompt, {
-                "temperature": params.temperature, "seed": params.seed,
-                "max_tokens": params.max_tokens, "ignore_eos": True,
-            })
+            request_id: (prompt, SamplingParams(
+                temperature=params.temperature, seed=params.seed,
+                max_tokens=params.max_tokens, ignore_eos=True,
+            ))
             for request_id, (prompt, params) in innocents.items()
         }
         items = list(wire.items())
-        items.insert(3, ("poisoned", ([5, 6, 7], {"temperature": 0, "max_tokens": 12})))
+        items.insert(3, ("poisoned", ([5, 6, 7], SamplingParams(temperature=0, max_tokens=12))))
         items.insert(5, ("huge-top-k", ([5, 6], {"top_k": 2**63, "max_tokens": 4})))
         for request_id, (prompt, sampling) in items:
-            router.send(Generate(request_id, prompt, sampling))
+            if isinstance(sampling, dict):  # not the router's: unchecked settings
+                router.push.send(raw_generate(request_id, prompt, sampling))
+            else:
+                router.send(Generate(request_id, prompt, sampling))
         results = router.collect([request_id for request_id, _ in items])
         poisoned, huge = results.pop("poisoned"), results.pop("huge-top-k")
         assert poisoned["failed"] is not None and poisoned["failed"].status == 500

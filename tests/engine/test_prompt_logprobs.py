@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.prompt_logprobs import PromptLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.wire.sampling_params import SamplingParams
 
 TOLERANCE = 1e-4
 NUM_TOP = 5

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.wire.sampling_params import SamplingParams
 
 
 def make_seq(name: str, num_tokens: int, group: str | None = None, **rank: float) -> Sequence:

@@ -127,10 +127,9 @@ def test_a_deeply_nested_schema_crosses_the_wire_unchanged():
     schema: dict = {"type": "string"}
     for _ in range(MAX_JSON_SCHEMA_DEPTH // 2 - 1):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    sampling = {"max_tokens": 4, "structured_output": {"json_schema": schema}}
-    SamplingParams(**sampling)
+    sampling = SamplingParams(max_tokens=4, structured_output={"json_schema": schema})
     message = decode(encode(Generate("r", [1, 2], sampling)))
-    assert SamplingParams(**message.sampling).structured_output == {"json_schema": schema}
+    assert message.sampling.structured_output == {"json_schema": schema}
 
 
 # -- the tiny model: every output valid, neighbours unchanged ---------------------------------
@@ -288,7 +287,9 @@ def test_a_spec_that_does_not_compile_fails_its_request_alone(tiny_llama_dir, pr
 def test_a_node_reports_a_spec_that_does_not_compile_as_a_400(tiny_llama_dir, prompts):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
     generation = Generation(engine, "node")
-    sampling = {"max_tokens": 8, "structured_output": {"grammar": "start: undefined_rule"}}
+    sampling = SamplingParams(
+        max_tokens=8, structured_output={"grammar": "start: undefined_rule"}
+    )
     assert generation.admit(Generate("bad", prompts[0], sampling)) is None
     messages = []
     while generation.engine.has_unfinished_requests():

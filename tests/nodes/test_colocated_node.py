@@ -127,12 +127,12 @@ def node(tiny_llama_dir, tmp_path_factory):
 
 
 def test_greedy_tokens_equal_offline_llm(node, tiny_llama_dir):
-    params = {"temperature": 0, "max_tokens": 16}
+    params = SamplingParams(temperature=0, max_tokens=16)
     for i, prompt in enumerate(PROMPTS):
         node.send(Generate(f"greedy-{i}", prompt, params))
     results = node.collect([f"greedy-{i}" for i in range(len(PROMPTS))])
     expected = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128).generate(
-        PROMPTS, SamplingParams(**params)
+        PROMPTS, params
     )
     for i, (prompt, reference) in enumerate(zip(PROMPTS, expected)):
         result = results[f"greedy-{i}"]
@@ -144,7 +144,7 @@ def test_greedy_tokens_equal_offline_llm(node, tiny_llama_dir):
 
 
 def test_abort_stops_updates_and_frees_blocks(node):
-    params = {"temperature": 0, "max_tokens": 500, "ignore_eos": True}
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     node.send(Generate("long", [7, 8, 9], params))
     received, deadline = 0, time.monotonic() + REPLY_TIMEOUT
     while received < 5:
@@ -172,14 +172,20 @@ def test_abort_stops_updates_and_frees_blocks(node):
         node.wait(TokenBatch, timeout=0.6)
 
 
+def raw_generate(request_id: str, prompt: list[int], sampling: dict) -> bytes:
+    """A Generate as any peer could write it, its sampling settings unchecked."""
+    fields = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling}
+    return msgpack.packb({"type": "generate", **fields})
+
+
 def test_bad_requests_fail_and_garbage_is_dropped(node):
-    node.send(Generate("bad-token", [5, 512, 6], {"temperature": 0}))
-    node.send(Generate("bad-max", [5, 6], {"max_tokens": 0}))
-    node.send(Generate("bad-key", [5, 6], {"no_such_option": 1}))
+    node.send(Generate("bad-token", [5, 512, 6], SamplingParams(temperature=0)))
+    node.push.send(raw_generate("bad-max", [5, 6], {"max_tokens": 0}))  # not the router's
+    node.push.send(raw_generate("bad-key", [5, 6], {"no_such_option": 1}))
     node.push.send(b"\xc1 definitely not msgpack")
     node.push.send(msgpack.packb({"type": "launch_missiles", "request_id": "x"}))
     node.push.send(encode(NodeStats("x", "router", 1, 1, 0, 0, 0, 0, 0, 0, 0)))
-    node.send(Generate("after-garbage", [5, 6, 7], {"temperature": 0, "max_tokens": 3}))
+    node.send(Generate("after-garbage", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3)))
     results = node.collect(["bad-token", "bad-max", "bad-key", "after-garbage"])
     failed = {r: results[r]["failed"] for r in ("bad-token", "bad-max", "bad-key")}
     assert all(f is not None and f.status == 400 for f in failed.values()), failed
@@ -191,7 +197,7 @@ def test_bad_requests_fail_and_garbage_is_dropped(node):
 
 
 def test_duplicate_request_id_fails_without_disturbing_the_first(node):
-    params = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     node.send(Generate("dup", [11, 12], params))
     node.send(Generate("dup", [13, 14], params))
     failed, tokens, finished = None, [], False
@@ -208,7 +214,7 @@ def test_duplicate_request_id_fails_without_disturbing_the_first(node):
 
 
 def test_logprobs_have_top_alternatives(node):
-    node.send(Generate("lp", [20, 21, 22], {"temperature": 0, "max_tokens": 4, "logprobs": 2}))
+    node.send(Generate("lp", [20, 21, 22], SamplingParams(temperature=0, max_tokens=4, logprobs=2)))
     result = node.collect(["lp"])["lp"]
     assert result["failed"] is None and len(result["tokens"]) == len(result["logprobs"]) == 4
     for (token_id, logprob, top), sampled in zip(result["logprobs"], result["tokens"]):
@@ -247,7 +253,7 @@ def test_engine_error_fails_in_flight_requests_and_node_survives(tiny_llama_dir)
     thread.start()
     try:
         router.wait()
-        params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         router.send(Generate("doomed", [5, 6], params))
         failed = router.collect(["doomed"])["doomed"]["failed"]
         assert failed is not None and failed.status == 500

@@ -47,12 +47,12 @@ def test_a_two_rank_colocated_node_serves_the_one_rank_tokens_and_stops_its_work
             assert stats.num_total_blocks == 64
             workers = children(process.pid)
             assert len(workers) == 1  # rank 1; rank 0 is the node itself
-            params = {"temperature": 0, "max_tokens": 12}
+            params = SamplingParams(temperature=0, max_tokens=12)
             for i, prompt in enumerate(PROMPTS):
                 router.send(Generate(f"tp-{i}", prompt, params))
             results = router.collect([f"tp-{i}" for i in range(len(PROMPTS))])
             expected = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64).generate(
-                PROMPTS, SamplingParams(**params)
+                PROMPTS, params
             )
             for i, reference in enumerate(expected):
                 assert results[f"tp-{i}"]["failed"] is None

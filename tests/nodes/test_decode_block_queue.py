@@ -13,6 +13,7 @@ import pytest
 from pdserve.decode_node.node import DecodeNode, Stage
 from pdserve.engine.config import EngineConfig
 from pdserve.wire.messages import Abort, Generate, PrefillRequest
+from pdserve.wire.sampling_params import SamplingParams
 from tests.nodes.unlooped import capture_sends, unlooped_config
 
 BLOCK_SIZE = 16
@@ -38,7 +39,7 @@ def generate(request_id: str, num_tokens: int, priority: int = 0) -> Generate:
     return Generate(
         request_id,
         list(range(3, 3 + num_tokens)),
-        {"max_tokens": 4, "temperature": 0.0},
+        SamplingParams(max_tokens=4, temperature=0.0),
         priority=priority,
         prefill_address="tcp://127.0.0.1:3",
     )

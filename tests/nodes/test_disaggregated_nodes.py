@@ -121,7 +121,7 @@ def test_tokens_equal_the_offline_engine_and_every_block_returns(nodes, tiny_lla
             Generate(
                 f"r{i}",
                 prompt,
-                {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True},
+                greedy,
                 prefill_address=PREFILL_ADDRESS,
             )
         )
@@ -134,7 +134,7 @@ def test_tokens_equal_the_offline_engine_and_every_block_returns(nodes, tiny_lla
 
 def test_an_abort_ends_the_request_on_both_nodes(nodes):
     decode, prefill = nodes
-    params = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     decode.handle(Generate("long", list(range(3, 90)), params, prefill_address=PREFILL_ADDRESS))
     deadline = time.monotonic() + DEADLINE_S
     while not prefill.requests:  # the prefill node has it: its KV is being written
@@ -157,14 +157,14 @@ def test_an_abort_ends_the_request_on_both_nodes(nodes):
 def test_prompt_logprobs_come_from_the_prefill_node_with_the_first_token(nodes, tiny_llama_dir):
     decode, prefill = nodes
     prompt = [(11 * j) % 400 + 3 for j in range(45)]  # two chunks of the prefill node's 32
-    sampling = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "prompt_logprobs": 2}
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
     decode.handle(Generate("s0", prompt, sampling, prefill_address=PREFILL_ADDRESS))
     to_router = run_until_idle(decode, prefill)
     updates = [u for m in to_router if isinstance(m, TokenBatch) for u in m.updates]
     scored = [u for u in updates if u.prompt_logprobs is not None]
     assert len(scored) == 1 and scored[0].offset == 0  # the prefill node's, and only once
     offline = LLM(str(tiny_llama_dir), dtype="float32").engine
-    offline.add_request("s0", prompt, SamplingParams(**sampling))
+    offline.add_request("s0", prompt, sampling)
     expected = None
     while offline.has_unfinished_requests():
         for output in offline.step().outputs:
@@ -178,12 +178,15 @@ def test_prompt_logprobs_come_from_the_prefill_node_with_the_first_token(nodes, 
 
 
 def choices_for(sampling: dict, n: int, prefix: str) -> list[Choice]:
-    return [Choice(f"{prefix}{i}", {**sampling, "seed": sampling["seed"] + i}) for i in range(n)]
+    return [
+        Choice(f"{prefix}{i}", SamplingParams(**{**sampling, "seed": sampling["seed"] + i}))
+        for i in range(n)
+    ]
 
 
 def offline_choices(tiny_llama_dir, prompt: list[int], choices: list[Choice]) -> dict:
     llm = LLM(str(tiny_llama_dir), dtype="float32")
-    outputs = llm.generate([prompt] * len(choices), [SamplingParams(**c.sampling) for c in choices])
+    outputs = llm.generate([prompt] * len(choices), [c.sampling for c in choices])
     return {c.request_id: o.token_ids for c, o in zip(choices, outputs)}
 
 

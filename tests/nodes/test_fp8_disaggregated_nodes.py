@@ -77,7 +77,7 @@ def submit(decode: DecodeNode, prompts, max_tokens: int) -> None:
             Generate(
                 f"r{i}",
                 prompt,
-                {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                 prefill_address=PREFILL_ADDRESS,
             )
         )

@@ -22,6 +22,7 @@ from pdserve.engine.shared_segment import segment_name
 from pdserve.kvtransfer import KVDescriptor
 from pdserve.prefill_node.node import PrefillNode
 from pdserve.wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch
+from pdserve.wire.sampling_params import SamplingParams
 from tests.nodes.unlooped import capture_sends, unlooped_config
 
 NUM_BLOCKS = 16
@@ -50,7 +51,7 @@ def open_fds() -> int:
 
 def test_a_transport_that_cannot_attach_fails_the_request_and_the_node_serves_on(nodes):
     decode, prefill = nodes
-    decode.handle(Generate("r1", list(range(3, 40)), {"max_tokens": 3, "temperature": 0.0},
+    decode.handle(Generate("r1", list(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0),
                            prefill_address="tcp://127.0.0.1:3"))
     decode.work()
     (request,) = [m for m in decode.sent if isinstance(m, PrefillRequest)]

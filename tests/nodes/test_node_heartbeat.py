@@ -20,6 +20,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.config import NodeConfig
 from pdserve.router.node_registry import NodeRegistry
 from pdserve.wire.messages import Generate, Heartbeat, NodeStats, decode, encode
+from pdserve.wire.sampling_params import SamplingParams
 
 HEARTBEAT_S = 0.25
 
@@ -93,7 +94,7 @@ def run_node(tiny_llama_dir, step_seconds: float, busy: bool, stall_limit_s: flo
     thread.start()
     try:
         router.arrivals_until(lambda m: isinstance(m, NodeStats))  # the node is up
-        router.push.send(encode(Generate("r", [5, 6, 7], {"max_tokens": 2})))
+        router.push.send(encode(Generate("r", [5, 6, 7], SamplingParams(max_tokens=2))))
         messages = router.arrivals(step_seconds + 2.0)
     finally:
         node.stop()

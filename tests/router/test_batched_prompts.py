@@ -18,6 +18,7 @@ from pdserve.router.generation import Generation
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.validation import Plan
 from pdserve.wire.messages import TokenBatch, TokenUpdate, encode
+from pdserve.wire.sampling_params import SamplingParams
 from tests.router import test_streaming
 from tests.router.test_queue_delay import client_with
 from tests.router.test_streaming import ScriptedNode, run_with_node, sse_payloads
@@ -36,7 +37,7 @@ class EchoNode(ScriptedNode):
     """Answers every Generate with its own prompt's tokens (BOS aside), one per batch."""
 
     async def reply(self, message):
-        ids = echoed(self.tokenizer, message.prompt_token_ids)[: message.sampling["max_tokens"]]
+        ids = echoed(self.tokenizer, message.prompt_token_ids)[: message.sampling.max_tokens]
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay)
             update = TokenUpdate(
@@ -131,7 +132,7 @@ def test_batched_prompts_answer_prompt_times_n_plus_i_with_summed_usage(
     by_id = {g.request_id.rsplit("-", 1)[1]: g for g in node.generates}
     for i in range(6):
         assert by_id[str(i)].prompt_token_ids == prompts[i // 2]
-        assert by_id[str(i)].sampling["seed"] == 40 + i % 2  # as each prompt's own request
+        assert by_id[str(i)].sampling.seed == 40 + i % 2  # as each prompt's own request
     assert data["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
     assert data["usage"]["completion_tokens"] == 2 * sum(len(echoed(tokenizer, p)) for p in prompts)
     assert len(node.messages) == 3  # one Generate per prompt, carrying its two choices
@@ -167,8 +168,7 @@ def test_streamed_batched_token_prompts_carry_every_index(tmp_path, tokenizer, e
 
 
 def _batch_plan(prompts: list[list[int]], n: int) -> Plan:
-    sampling = {"max_tokens": 4, "seed": None}
-    return Plan(prompts, [dict(sampling) for _ in range(len(prompts) * n)], [])
+    return Plan(prompts, [SamplingParams(max_tokens=4)] * (len(prompts) * n), [])
 
 
 def test_admission_and_the_queue_delay_count_every_prompt_of_a_batch(tokenizer):

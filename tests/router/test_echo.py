@@ -32,8 +32,8 @@ class ScoringNode(ScriptedNode):
     malformed = False
 
     async def reply(self, message):
-        ids = self.tokenizer.encode(REPLY)[: message.sampling["max_tokens"]]
-        num_top = message.sampling.get("prompt_logprobs")
+        ids = self.tokenizer.encode(REPLY)[: message.sampling.max_tokens]
+        num_top = message.sampling.prompt_logprobs
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay)
             if message.request_id in self.aborted:
@@ -44,7 +44,7 @@ class ScoringNode(ScriptedNode):
                 if self.malformed:
                     scores[0][0] += 1
             logprobs = None
-            if message.sampling["logprobs"] is not None:
+            if message.sampling.logprobs is not None:
                 logprobs = [[token, -0.5, [[token, -0.5]]]]
             update = TokenUpdate(
                 message.request_id, [token], "length" if i == len(ids) - 1 else None,
@@ -83,7 +83,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_its_scores_alone(
     assert r.status_code == 200, r.text
     ids = tokenizer.encode(prompt)
     (sent,) = node.generates
-    assert sent.sampling["max_tokens"] == 1 and sent.sampling["prompt_logprobs"] == 1
+    assert sent.sampling.max_tokens == 1 and sent.sampling.prompt_logprobs == 1
     data = r.json()
     (choice,) = data["choices"]
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
@@ -117,7 +117,7 @@ def test_echo_without_logprobs_sends_the_text_and_asks_no_scores(tmp_path, token
     r, node = post(tmp_path, tokenizer, prompt="Hi", echo=True, max_tokens=1)
     assert r.json()["choices"][0]["text"] == "Hi" + tokenizer.decode(tokenizer.encode(REPLY)[:1])
     assert r.json()["choices"][0]["logprobs"] is None
-    assert "prompt_logprobs" not in node.generates[0].sampling
+    assert node.generates[0].sampling.prompt_logprobs is None
 
 
 def test_streaming_echo_sends_the_prompt_in_the_first_chunk(tmp_path, tokenizer, scoring):
@@ -156,7 +156,7 @@ def test_prompt_logprobs_come_in_vllm_shape(tmp_path, tokenizer, scoring):
     r, node = post(tmp_path, tokenizer, prompt="abc", prompt_logprobs=2, max_tokens=1)
     assert r.status_code == 200, r.text
     ids = tokenizer.encode("abc")
-    assert node.generates[0].sampling["prompt_logprobs"] == 2
+    assert node.generates[0].sampling.prompt_logprobs == 2
     choice = r.json()["choices"][0]
     assert choice["text"] == tokenizer.decode(tokenizer.encode(REPLY)[:1])  # no echo
     shaped = choice["prompt_logprobs"]

@@ -19,9 +19,12 @@ from pdserve.wire.messages import (
     TokenUpdate,
     decode,
 )
+from pdserve.wire.sampling_params import SamplingParams
 
 HEARTBEAT_S = 0.5
 NODE_TIMEOUT_S = 2 * HEARTBEAT_S
+
+FOUR_TOKENS = SamplingParams(max_tokens=4)
 
 
 class Clock:
@@ -116,7 +119,7 @@ def test_heartbeats_of_another_process_do_not_keep_a_node_alive():
 
 def test_a_request_lost_before_its_first_token_is_retried_on_the_other_prefill_node():
     client, clock, sockets = cluster("p0", "p1", "d0")
-    queue = client.submit("r", [1, 2, 3], {"max_tokens": 4})
+    queue = client.submit("r", [1, 2, 3], FOUR_TOKENS)
     first = generates(sockets["d0"])[0]
     lost = "p0" if first.prefill_address == "tcp://p0" else "p1"
     other = "p1" if lost == "p0" else "p0"
@@ -124,7 +127,7 @@ def test_a_request_lost_before_its_first_token_is_retried_on_the_other_prefill_n
 
     retry = generates(sockets["d0"])[-1]
     assert (retry.request_id, retry.prefill_address) == ("r~1", f"tcp://{other}")
-    assert retry.prompt_token_ids == [1, 2, 3] and retry.sampling == {"max_tokens": 4}
+    assert retry.prompt_token_ids == [1, 2, 3] and retry.sampling == FOUR_TOKENS
     assert aborts(sockets["d0"]) == ["r"] and aborts(sockets[lost]) == ["r"]
     client._dispatch(TokenBatch(lost, [TokenUpdate("r", [9], None, offset=0)]))  # too late
     client._dispatch(TokenBatch(other, [TokenUpdate("r~1", [5], None, offset=0)]))
@@ -136,7 +139,7 @@ def test_a_request_lost_before_its_first_token_is_retried_on_the_other_prefill_n
 
 def test_a_request_is_never_retried_after_its_first_token_reached_the_client():
     client, clock, sockets = cluster("p0", "p1", "d0", "d1")
-    queue = client.submit("r", [1, 2, 3], {"max_tokens": 4})
+    queue = client.submit("r", [1, 2, 3], FOUR_TOKENS)
     decode_id = "d0" if generates(sockets["d0"]) else "d1"
     client._dispatch(TokenBatch("p", [TokenUpdate("r", [5], None, offset=0)]))
     beat(client, clock, "p0", "p1", "d0", "d1", until=2.0)
@@ -152,7 +155,7 @@ def test_a_request_is_never_retried_after_its_first_token_reached_the_client():
 
 def test_without_another_prefill_node_a_lost_request_fails_with_503():
     client, clock, sockets = cluster("p0", "d0")
-    queue = client.submit("r", [1, 2, 3], {"max_tokens": 4})
+    queue = client.submit("r", [1, 2, 3], FOUR_TOKENS)
     beat(client, clock, "d0", until=NODE_TIMEOUT_S + 0.3)
     (failure,) = drain(queue)
     assert isinstance(failure, RequestFailed) and failure.status == 503
@@ -162,7 +165,7 @@ def test_without_another_prefill_node_a_lost_request_fails_with_503():
 
 def test_a_503_from_a_node_is_retried_a_bounded_number_of_times_and_a_400_is_not():
     client, _, sockets = cluster("p0", "p1", "d0", max_retries=2)
-    queue = client.submit("r", [1, 2, 3], {"max_tokens": 4})
+    queue = client.submit("r", [1, 2, 3], FOUR_TOKENS)
     for attempt in ("r", "r~1", "r~2"):
         client._dispatch(RequestFailed(attempt, f"KV transfer of {attempt} failed", 503))
     assert [g.request_id for g in generates(sockets["d0"])] == ["r", "r~1", "r~2"]
@@ -171,7 +174,7 @@ def test_a_503_from_a_node_is_retried_a_bounded_number_of_times_and_a_400_is_not
     (failure,) = drain(queue)
     assert failure.request_id == "r" and failure.message == "KV transfer of r~2 failed"
 
-    queue = client.submit("s", [1, 2, 3], {"max_tokens": 4})
+    queue = client.submit("s", [1, 2, 3], FOUR_TOKENS)
     client._dispatch(RequestFailed("s", "bad request", 400))
     (failure,) = drain(queue)
     assert failure.status == 400 and len(generates(sockets["d0"])) == 4
@@ -179,7 +182,7 @@ def test_a_503_from_a_node_is_retried_a_bounded_number_of_times_and_a_400_is_not
 
 def test_a_restarted_node_loses_the_requests_its_previous_process_held():
     client, _, sockets = cluster("c0", "c1")
-    queue = client.submit("r", [1, 2, 3], {"max_tokens": 4})
+    queue = client.submit("r", [1, 2, 3], FOUR_TOKENS)
     served_by = "c0" if generates(sockets["c0"]) else "c1"
     client.record_stats(stats(served_by, "colocated", instance_id="i1"))
     assert generates(sockets["c0"])[-1].request_id == "r~1" or generates(sockets["c1"])[

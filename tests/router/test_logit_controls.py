@@ -1,16 +1,16 @@
 """Penalties, min_p, logit_bias and stop_token_ids: bounded where they enter (a 400 naming the
-field), passed to the node as SamplingParams arguments (logit_bias keys as canonical strings),
-and absent from what is sent when neutral."""
+field, by SamplingParams' construction and the vocabulary), passed to the node as SamplingParams
+(logit_bias keys as token ids), and the defaults when neutral or absent."""
 
 from __future__ import annotations
 
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.app import create_app
-from pdserve.router.logit_controls import check_logit_controls, logit_control_params
+from pdserve.router.sampling import choice_samplings, request_sampling
 from pdserve.router.schemas import CompletionRequest
+from pdserve.wire.sampling_params import SamplingParams
 from tests.router.test_validation import assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
 
@@ -79,22 +79,15 @@ def test_controls_become_sampling_params_the_engine_accepts():
         logit_bias={"07": -100, "300": 2.5},
         stop_token_ids=[2, 9],
     )
-    check_logit_controls(req)
-    params = logit_control_params(req, VOCAB)
-    assert params == {
-        "presence_penalty": 0.5,
-        "frequency_penalty": -1.0,
-        "repetition_penalty": 1.2,
-        "min_p": 0.05,
-        "logit_bias": {"7": -100.0, "300": 2.5},
-        "stop_token_ids": [2, 9],
-    }
-    sampling = SamplingParams(**params)  # what the node builds from the wire
-    assert sampling.logit_bias == {7: -100.0, 300: 2.5}
+    (sampling,) = choice_samplings(request_sampling(req, 4, None), 4, VOCAB, 1)
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert (sampling.repetition_penalty, sampling.min_p) == (1.2, 0.05)
+    assert sampling.logit_bias == {7: -100.0, 300: 2.5} and sampling.stop_token_ids == [2, 9]
+    assert SamplingParams.from_wire(sampling.to_wire()) == sampling  # as the node gets them
 
 
-def test_neutral_controls_send_nothing():
-    req = request(
+def test_neutral_or_absent_controls_are_the_defaults():
+    neutral = request(
         presence_penalty=0,
         frequency_penalty=0.0,
         repetition_penalty=1,
@@ -102,5 +95,7 @@ def test_neutral_controls_send_nothing():
         logit_bias={},
         stop_token_ids=[],
     )
-    check_logit_controls(req)
-    assert logit_control_params(req, VOCAB) == {}
+    for req in (neutral, request()):
+        (sampling,) = choice_samplings(request_sampling(req, 4, None), 4, VOCAB, 1)
+        assert sampling == SamplingParams(max_tokens=4)
+        assert not sampling.penalized

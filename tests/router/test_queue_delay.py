@@ -16,9 +16,12 @@ from pdserve.router.node_client import NodeClient
 from pdserve.router.node_registry import NodeState
 from pdserve.router.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
 from pdserve.wire.messages import PromptProgress, RequestFailed, TokenBatch, TokenUpdate
+from pdserve.wire.sampling_params import SamplingParams
 from tests.router.test_failover import FakeSocket, generates, stats
 
 PROMPT = list(range(100))  # 100 uncached tokens each
+
+FOUR_TOKENS = SamplingParams(max_tokens=4)
 
 
 def node(speed: float = 0.0) -> NodeState:
@@ -117,7 +120,7 @@ def test_requests_past_the_queue_delay_are_refused_before_anything_is_sent(roles
         admitted = []
         for i in range(5):
             try:
-                client.submit(f"r{i}", [i, *PROMPT], {"max_tokens": 4}, queue)
+                client.submit(f"r{i}", [i, *PROMPT], FOUR_TOKENS, queue)
                 admitted.append(f"r{i}")
             except APIError as refusal:
                 assert refusal.status == 429 and refusal.code == "rate_limit_exceeded"
@@ -135,16 +138,16 @@ def test_a_started_request_leaves_the_queue_and_retries_are_not_judged_again():
     async def run():
         client, sockets = client_with("p", "d", max_queue_delay_s=1.5)
         queue: asyncio.Queue = asyncio.Queue()
-        client.submit("a", PROMPT, {"max_tokens": 4}, queue)  # 100 tokens: 1 s of work
+        client.submit("a", PROMPT, FOUR_TOKENS, queue)  # 100 tokens: 1 s of work
         with pytest.raises(APIError):  # 200 uncached tokens (another prompt): 2 s
-            client.submit("b", PROMPT[::-1], {"max_tokens": 4}, queue)
+            client.submit("b", PROMPT[::-1], FOUR_TOKENS, queue)
         client._dispatch(RequestFailed("a", "no KV blocks free in time", 503))
         assert [m.request_id for m in generates(sockets["d"])] == ["a", "a~1"]  # retried
         client._dispatch(TokenBatch("p", [TokenUpdate("a~1", [7], None, offset=0)]))
         assert len(client.prompt_queues) == 0
         client._dispatch(TokenBatch("d", [TokenUpdate("a~1", [8], "length", offset=1)]))
         assert not client.inflight and not client.inflight.retry_ids  # the retry's id is forgotten
-        client.submit("c", PROMPT[::-1], {"max_tokens": 4}, queue)
+        client.submit("c", PROMPT[::-1], FOUR_TOKENS, queue)
         client.abort("c")
         assert len(client.prompt_queues) == 0
         assert all(client.prompt_queues.tokens(n) == 0 for n in client.nodes)
@@ -177,9 +180,9 @@ def test_prompt_progress_from_a_node_reaches_the_request_its_choice_group_or_its
     async def run():
         client, _ = client_with("p", "d", max_queue_delay_s=3.0)
         queue: asyncio.Queue = asyncio.Queue()
-        client.submit("a", PROMPT, {"max_tokens": 4}, queue)  # 100 tokens at 100 tokens/s
+        client.submit("a", PROMPT, FOUR_TOKENS, queue)  # 100 tokens at 100 tokens/s
         client.submit_choices(
-            "g", [5, *PROMPT], [("g-0", {"max_tokens": 4}), ("g-1", {"max_tokens": 4})], queue
+            "g", [5, *PROMPT], [("g-0", FOUR_TOKENS), ("g-1", FOUR_TOKENS)], queue
         )
         prefill = next(n for n in client.nodes if n.role == "prefill")
         assert client.prompt_queues.tokens(prefill) == 201
@@ -210,7 +213,7 @@ def test_a_node_already_past_the_bound_refuses_before_the_request_is_read(roles)
     async def run():
         client, _ = client_with(*roles, max_queue_delay_s=1.5)
         client.check_overload()  # empty queues always admit
-        client.submit("a", PROMPT, {"max_tokens": 4}, asyncio.Queue())  # 1 s of work queued
+        client.submit("a", PROMPT, FOUR_TOKENS, asyncio.Queue())  # 1 s of work queued
         client.check_overload()  # 0 new tokens: 1 s < 1.5 s
         computing = client.inflight.entries["a"].queued_at
         client.prompt_queues.add(computing, "backlog", 100, client.clock())  # 2 s queued now

@@ -66,13 +66,13 @@ class ScriptedNode:
                     asyncio.create_task(self.reply(generate))
 
     async def reply(self, message: Generate) -> None:
-        ids = self.tokenizer.encode(REPLY)[: message.sampling["max_tokens"]]
+        ids = self.tokenizer.encode(REPLY)[: message.sampling.max_tokens]
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay)
             if message.request_id in self.aborted:
                 return
             last = i == len(ids) - 1
-            logprobs = [[token, -0.5, [[token, -0.5]]]] if message.sampling["logprobs"] else None
+            logprobs = [[token, -0.5, [[token, -0.5]]]] if message.sampling.logprobs is not None else None
             update = TokenUpdate(
                 message.request_id,
                 [token],
@@ -143,8 +143,8 @@ def test_completion_with_stop_string_aborts_node(tmp_path, tokenizer):
     assert data["object"] == "text_completion"
     assert [c["text"] for c in data["choices"]] == ["hello ", "hello "]
     assert [c["finish_reason"] for c in data["choices"]] == ["stop", "stop"]
-    assert sorted(g.sampling["seed"] for g in node.generates) == [7, 8]
-    assert all("stop" not in g.sampling for g in node.generates)
+    assert sorted(g.sampling.seed for g in node.generates) == [7, 8]
+    assert all(not g.sampling.stop for g in node.generates)  # the router cuts at them
     assert node.aborted == {g.request_id for g in node.generates}
     assert data["usage"]["prompt_tokens"] == 2
 
@@ -204,19 +204,10 @@ def test_metrics_count_finished_requests(tmp_path, tokenizer):
 def _generation(http_app_state, prompt_ids, n=2):
     from pdserve.router.generation import Generation
     from pdserve.router.validation import Plan
+    from pdserve.wire.sampling_params import SamplingParams
 
-    sampling = {
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": -1,
-        "max_tokens": 50,
-        "min_tokens": 0,
-        "ignore_eos": False,
-        "logprobs": None,
-        "skip_special_tokens": True,
-        "seed": None,
-    }
-    plan = Plan([prompt_ids], [dict(sampling) for _ in range(n)], [])
+    sampling = SamplingParams(temperature=0.0, max_tokens=50)
+    plan = Plan([prompt_ids], [sampling] * n, [])
     state = http_app_state
     return Generation("cmpl-test", plan, state.client, state.tokenizer, state.metrics)
 

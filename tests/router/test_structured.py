@@ -72,9 +72,9 @@ def test_each_field_maps_to_its_spec_on_every_choice_of_both_routes(
     plans = [plan_completion(completion, config, tokenizer, limits),
              plan_chat(chat, config, tokenizer, limits)]
     for plan in plans:
-        assert [s.get("structured_output") for s in plan.samplings] == [spec] * plan.n
+        assert [s.structured_output for s in plan.samplings] == [spec] * plan.n
         if spec is None:
-            assert all("structured_output" not in s for s in plan.samplings)
+            assert all(s.structured_output is None for s in plan.samplings)
 
 
 def test_the_fields_are_implemented_not_refused():

@@ -210,7 +210,7 @@ def test_a_required_call_through_the_router(tmp_path, tokenizer):
     text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     r, node = run_chat(tmp_path, tokenizer, text, {"tool_choice": "required"})
     assert r.status_code == 200, r.text
-    spec = node.generates[0].sampling["structured_output"]["json_schema"]
+    spec = node.generates[0].sampling.structured_output["json_schema"]
     assert spec["type"] == "array"
     assert spec["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER
     choice = r.json()["choices"][0]

@@ -198,8 +198,8 @@ def test_a_planned_chat_sends_the_forced_spec_and_renders_the_tools(tiny_llama_d
     req = request(tools=TOOLS, tool_choice="required", n=2, max_tokens=5)
     plan = plan_chat(req, config, tokenizers["hermes"], lambda: (4096, 512))
     assert plan.tools.mode is ToolMode.REQUIRED
-    assert all(s["structured_output"]["json_schema"]["type"] == "array" for s in plan.samplings)
+    assert all(s.structured_output["json_schema"]["type"] == "array" for s in plan.samplings)
     prompt = tokenizers["hermes"].decode(plan.prompts[0])
     assert "# Tools" in prompt and '"description": "Weather in a city."' in prompt
     plain = plan_chat(request(max_tokens=5), config, tokenizers["hermes"], lambda: (4096, 512))
-    assert plain.tools is None and "structured_output" not in plain.samplings[0]
+    assert plain.tools is None and plain.samplings[0].structured_output is None

@@ -11,6 +11,7 @@ from pdserve.wire.messages import (
     Choice,
     ChoiceToken,
     Generate,
+    InvalidRequest,
     NodeStats,
     PrefillDone,
     ProtocolError,
@@ -20,9 +21,14 @@ from pdserve.wire.messages import (
     decode,
     encode,
 )
+from pdserve.wire.sampling_params import SamplingParams
 
 MESSAGES = [
-    Generate("r1", [1, 2, 3], {"temperature": 0.0, "max_tokens": 4}),
+    Generate(
+        "r1",
+        [1, 2, 3],
+        SamplingParams(temperature=0.0, max_tokens=4, logit_bias={7: -1.5}, stop=["\n"]),
+    ),
     Abort("r1"),
     TokenBatch("n0", [TokenUpdate("r1", [5], None, 3, [[5, -0.5, [[5, -0.5], [7, -1.0]]]])]),
     RequestFailed("r1", "token id 900 is outside the vocabulary", 400),
@@ -83,16 +89,61 @@ def test_the_longest_scored_prompt_with_twenty_alternatives_fits_one_message():
 
 
 def test_choices_round_trip_typed_and_bounded():
-    choices = [Choice(f"c{i}", {"seed": 5 + i, "max_tokens": 4}) for i in range(3)]
+    choices = [Choice(f"c{i}", SamplingParams(seed=5 + i, max_tokens=4)) for i in range(3)]
     generate = decode(encode(Generate("p", [1, 2], choices[0].sampling, choices=choices)))
     assert generate.choices == choices and isinstance(generate.choices[0], Choice)
     done = decode(encode(PrefillDone("p", -1, choices=[ChoiceToken("c0", 9, None)])))
     assert done.choices == [ChoiceToken("c0", 9, None)]
-    assert decode(encode(Generate("r", [1], {}))).choices == []  # one choice: as before
-    too_many = [Choice(f"c{i}", {}) for i in range(MAX_CHOICES_PER_PROMPT + 1)]
+    assert decode(encode(Generate("r", [1], SamplingParams()))).choices == []  # one choice
+    too_many = [Choice(f"c{i}", SamplingParams()) for i in range(MAX_CHOICES_PER_PROMPT + 1)]
     with pytest.raises(ProtocolError, match="choices"):
-        decode(encode(Generate("p", [1], {}, choices=too_many)))
+        decode(encode(Generate("p", [1], SamplingParams(), choices=too_many)))
     bad = msgpack.packb({"type": "generate", "request_id": "p", "prompt_token_ids": [1],
                          "sampling": {}, "choices": [{"request_id": 7, "sampling": {}}]})
     with pytest.raises(ProtocolError):
         decode(bad)
+
+
+def test_sampling_travels_typed_and_is_checked_where_it_lands():
+    """The settings arrive as SamplingParams, checked as at construction: a request whose
+    settings fail (a peer that is not the router, or another version of it) raises
+    InvalidRequest naming its id, so the node answers it with a 400 instead of dropping it."""
+    sampling = SamplingParams(temperature=0.5, seed=3, logit_bias={"12": 2.0}, min_tokens=2)
+    generate = decode(encode(Generate("r", [1], sampling)))
+    assert isinstance(generate.sampling, SamplingParams) and generate.sampling == sampling
+    assert generate.sampling.logit_bias == {12: 2.0}
+
+    def generate_with(settings) -> bytes:
+        return msgpack.packb({"type": "generate", "request_id": "bad", "prompt_token_ids": [1],
+                              "sampling": settings})
+
+    for settings, field in [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"no_such_option": 1}, "no_such_option"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ([1, 2], "map"),
+    ]:
+        with pytest.raises(InvalidRequest, match=field) as refused:
+            decode(generate_with(settings))
+        assert refused.value.request_id == "bad"
+    choice = {"request_id": "c0", "sampling": {"top_p": 0}}
+    nested = msgpack.packb({"type": "generate", "request_id": "p", "prompt_token_ids": [1],
+                            "sampling": {}, "choices": [choice]})
+    with pytest.raises(InvalidRequest, match="top_p") as refused:
+        decode(nested)
+    assert refused.value.request_id == "p"
+
+
+def test_every_setting_at_its_bound_crosses_the_wire():
+    """SamplingParams bounds every number to what msgpack carries: the router never builds a
+    message it cannot send."""
+    from pdserve.wire.limits import INT32_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN
+
+    for seed in (SEED_MIN, SEED_MAX):
+        sampling = SamplingParams(
+            seed=seed, top_k=INT32_MAX, max_tokens=INT32_MAX, min_tokens=INT32_MAX,
+            logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS, stop_token_ids=[INT32_MAX],
+            logit_bias={INT32_MAX: -100.0},
+        )
+        assert decode(encode(Generate("r", [INT32_MAX], sampling))).sampling == sampling
