@@ -56,7 +56,7 @@ def _integer(name: str, value: Any, low: int, high: int, field: str | None = Non
     except TypeError:
         raise SamplingError(field, "must be an integer", type(value).__name__, name) from None
     if not low <= number <= high:
-        raise SamplingError(field, f"must be between {low} and {high}", _short(number), name)
+        raise SamplingError(field, f"must be between {low:,} and {high:,}", _short(number), name)
     return number
 
 
