@@ -15,10 +15,11 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation
 from pdserve.node.runtime import NodeRuntime
 from pdserve.wire.messages import Abort, Generate
+from pdserve.wire.roles import Role
 
 
 class ColocatedNode(NodeRuntime):
-    role = "colocated"
+    role = Role.COLOCATED
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
         engine = LLMEngine(engine_config)

@@ -14,12 +14,14 @@ Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from pdserve.commands.serve_flags import add_engine_flags, add_serve_flags, check_serve_flags
+from pdserve.wire.roles import Role
 
-NODE_ROLES = ("colocated", "prefill", "decode")
+NODE_ROLES = tuple(Role)
 
 def _make_llm(args: argparse.Namespace):
     from pdserve.engine import LLM
@@ -138,13 +140,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_node(role: str, node_args: list[str]) -> int:
     """One node of `role` that joins a router elsewhere (`python -m {role}_node` flags)."""
-    if role == "prefill":
-        from pdserve.prefill_node.__main__ import main
-    elif role == "decode":
-        from pdserve.decode_node.__main__ import main
-    else:
-        from pdserve.colocated_node.__main__ import main
-    return main(node_args)
+    entry = importlib.import_module(f"{Role(role).package}.__main__")
+    return entry.main(node_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

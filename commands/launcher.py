@@ -66,6 +66,7 @@ from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.config_flags import given, in_flag_terms
 from pdserve.wire.log_format import LogSettings
+from pdserve.wire.roles import Role
 
 READY_TIMEOUT_S = 600.0
 
@@ -84,7 +85,7 @@ def node_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     def for_nodes(f: dataclasses.Field) -> bool:  # not the launcher's own, not the router's
         roles = f.metadata.get("roles")
-        node_role = roles is None or bool({"colocated", "prefill", "decode"} & set(roles))
+        node_role = roles is None or bool(set(Role) & set(roles))
         return node_role and not f.metadata.get("launcher_sets")
 
     return {
@@ -228,14 +229,13 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
     node = {**settings["node"], "router_address": router_address}
     across_hosts = False
     if args.colocated:
-        roles = [("colocated", "pdserve.colocated_node")]
+        roles = [Role.COLOCATED]
     else:
         from pdserve.wire.cluster_auth import is_loopback
 
         across_hosts = bool(args.router_listen) and not is_loopback(args.router_listen)
         node["kv_transport"] = choose_kv_transport(args.kv_transport, across_hosts)
-        roles = [("prefill", "pdserve.prefill_node")] * args.prefill
-        roles += [("decode", "pdserve.decode_node")] * args.decode
+        roles = [Role.PREFILL] * args.prefill + [Role.DECODE] * args.decode
     gpus = launcher_gpus(os.environ, _gpu_count())
     see_every_gpu = node.get("kv_transport") == "cuda_ipc"
     placements = place_on_gpus(len(roles), gpus, see_every_gpu) if gpus else None
@@ -254,11 +254,11 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
             )
         placements = [DevicePlacement(tuple(gpus[:tensor_parallel_size]), 1)]
     threads = plan_node_threads(
-        [role for role, _ in roles], usable_cores(), bool(gpus), args.threads_per_node,
+        roles, usable_cores(), bool(gpus), args.threads_per_node,
         others_may_join=across_hosts,
     )
-    plans, counts = [], dict.fromkeys(("colocated", "prefill", "decode"), 0)
-    for index, (role, module) in enumerate(roles):
+    plans, counts = [], dict.fromkeys(Role, 0)
+    for index, role in enumerate(roles):
         # Unique per deployment on this host: shared-memory segments are named by node id.
         node_id = f"{role}-{counts[role]}.{args.port}"
         counts[role] += 1
@@ -278,7 +278,7 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
             env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.visible_devices)
             config["engine"]["processes_on_device"] = placement.processes_on_device
         env[CONFIG_ENV] = json.dumps(config)
-        plans.append(NodePlan(node_id, python_module_command(module), address, config, env))
+        plans.append(NodePlan(node_id, python_module_command(role.package), address, config, env))
     return plans
 
 
@@ -343,7 +343,7 @@ def serve(args: argparse.Namespace) -> int:
         if logs is not None:
             logs.skip_written()
         ready = True
-        layout = "colocated" if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
+        layout = Role.COLOCATED.value if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(
             f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout})",
             flush=True,

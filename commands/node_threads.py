@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pdserve.wire.roles import Role
+
 
 @dataclass(frozen=True)
 class NodeThreads:
@@ -50,15 +52,15 @@ def plan_node_threads(
     requested: int | None = None,
     others_may_join: bool = False,
 ) -> list[NodeThreads]:
-    """Threads for each node, in the order of `roles` ("prefill", "decode", "colocated"), on a
+    """Threads for each node, in the order of `roles`, on a
     host with `cores` usable cores (see the module docstring for the rule). `others_may_join`:
     the router listens where nodes of other hosts can register, and a decode node joining
     that way could keep this host's prefill nodes busy unseen: nothing is borrowed."""
     if requested is not None or on_gpus:
         return [NodeThreads(requested) for _ in roles]
     share = max(1, cores // len(roles))
-    lone_decode = roles.count("decode") == 1 and "prefill" in roles and not others_may_join
+    lone_decode = roles.count(Role.DECODE) == 1 and Role.PREFILL in roles and not others_may_join
     borrow = lone_decode and share < cores
     return [
-        NodeThreads(share, cores if borrow and role == "decode" else None) for role in roles
+        NodeThreads(share, cores if borrow and role == Role.DECODE else None) for role in roles
     ]

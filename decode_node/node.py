@@ -57,6 +57,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation, check_request_id, choice_params
 from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime, refuse_tensor_parallel_on_gpu
 from pdserve.wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
+from pdserve.wire.roles import Role
 from pdserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class PendingPrefill:
 
 
 class DecodeNode(NodeRuntime):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
         refuse_tensor_parallel_on_gpu(engine_config, self.role)

@@ -40,6 +40,7 @@ from pdserve.node.config import CONFIG_ENV, NodeConfig
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import add_flags, build
 from pdserve.wire.log_format import LogSettings
+from pdserve.wire.roles import Role
 
 CONFIG_PARTS = {"engine": EngineConfig, "node": NodeConfig, "log": LogSettings}
 
@@ -67,7 +68,7 @@ def node_parser(prog: str, description: str) -> argparse.ArgumentParser:
 def add_kv_flags(parser: argparse.ArgumentParser, *, receiver: bool) -> None:
     """The KV transfer flags: the transport (both ends), and the receiving end's channel
     address and deadlines (decode nodes)."""
-    role = "decode" if receiver else "prefill"
+    role = Role.DECODE if receiver else Role.PREFILL
     add_flags(parser, NodeConfig, select=lambda f: role in (f.metadata.get("roles") or ()))
 
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pdserve.node.heartbeat import DEFAULT_STALL_LIMIT_S
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.config_flags import option
+from pdserve.wire.roles import KV_ROLES, Role
 
 # `pdserve serve` hands each node its settings as JSON here (node/cli.py).
 CONFIG_ENV = "PDSERVE_NODE_CONFIG"
-KV_SENDERS = ("prefill", "decode")  # the roles whose nodes move KV (`roles` of an option)
+KV_SENDERS = KV_ROLES  # the roles whose nodes move KV (`roles` of an option)
 
 
 @dataclass(frozen=True)
@@ -52,22 +53,22 @@ class NodeConfig:
         help="how KV moves between prefill and decode nodes: shm, zmq, cuda_ipc or mooncake",
     )
     kv_listen_address: str = option(
-        "tcp://127.0.0.1:0", flag="--kv-listen", launcher_sets=True, roles=("decode",),
+        "tcp://127.0.0.1:0", flag="--kv-listen", launcher_sets=True, roles=(Role.DECODE,),
         metavar="ADDR", help="the decode node's KV channel bind address",
     )
     transfer_timeout_s: float = option(
-        30.0, flag="--transfer-timeout", roles=("decode",), metavar="SECONDS",
+        30.0, flag="--transfer-timeout", roles=(Role.DECODE,), metavar="SECONDS",
         help="how long a KV transfer may go without a write landing (from its grant, then "
         "from each write; at least 3x the forward that filled the last write), and the "
         "deadline of the first token after the KV arrived",
     )
     queue_timeout_s: float = option(
-        120.0, flag="--queue-timeout", roles=("decode",), metavar="SECONDS",
+        120.0, flag="--queue-timeout", roles=(Role.DECODE,), metavar="SECONDS",
         help="how long a request may wait on a decode node for free KV blocks, then for its "
         "prefill node to start on it",
     )
     threads_while_prefill_idle: int | None = option(
-        None, flag="--threads-while-prefill-idle", launcher_sets=True, roles=("decode",),
+        None, flag="--threads-while-prefill-idle", launcher_sets=True, roles=(Role.DECODE,),
         metavar="N",
         help="CPU threads of the decode node while none of its prompts is being prefilled, "
         "its --num-threads while one is (decode_node/borrowed_threads.py; default: "

@@ -54,6 +54,7 @@ from pdserve.wire.messages import (
     TokenBatch,
     TokenUpdate,
 )
+from pdserve.wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class _Request:
 
 
 class PrefillNode(NodeRuntime):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, *, engine_config: EngineConfig, config: NodeConfig) -> None:
         refuse_tensor_parallel_on_gpu(engine_config, self.role)

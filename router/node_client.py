@@ -66,6 +66,7 @@ from pdserve.wire.messages import (
     TokenBatch,
     decode,
 )
+from pdserve.wire.roles import Role
 from pdserve.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -134,11 +135,11 @@ class NodeClient:
     def live_node(self) -> NodeState | None:
         """A node that can serve a request now: a decode node when a prefill node is alive
         too (disaggregated), else a colocated node; None when neither is."""
-        if self.registry.live("prefill"):
-            decode_node = pick_decode_node(self.registry.live("decode"))
+        if self.registry.live(Role.PREFILL):
+            decode_node = pick_decode_node(self.registry.live(Role.DECODE))
             if decode_node is not None:
                 return decode_node
-        return pick_decode_node(self.registry.live("colocated"))
+        return pick_decode_node(self.registry.live(Role.COLOCATED))
 
     def any_alive(self) -> bool:
         return self.live_node() is not None
@@ -230,9 +231,9 @@ class NodeClient:
         request has not failed on, if one is alive; None for a colocated node), the node that
         computes its prompt, and how many prompt tokens that node likely has to compute."""
         prompt = entry.request.prompt_token_ids
-        if node.role != "decode":
+        if node.role != Role.DECODE:
             return None, node, len(prompt)
-        live = self.registry.live("prefill")
+        live = self.registry.live(Role.PREFILL)
         fresh = [n for n in live if n.address not in entry.failed_prefills] or live
         prefill, cached = self.prefill_router.pick(fresh, prompt)
         return prefill, prefill, len(prompt) - cached
@@ -246,7 +247,7 @@ class NodeClient:
         node = self.live_node() if self.max_queue_delay_s is not None else None
         if node is None:
             return  # no bound, or no node: the route answers 503 later
-        candidates = self.registry.live("prefill") if node.role == "decode" else [node]
+        candidates = self.registry.live(Role.PREFILL) if node.role == Role.DECODE else [node]
         now = self.clock()
         ahead = round(self.num_arriving * self.prompt_queues.mean_tokens / max(len(candidates), 1))
         delays = [(self.prompt_queues.delay(n, ahead, now), n) for n in candidates]

@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.wire.messages import Heartbeat, NodeStats
+from pdserve.wire.roles import Role
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("colocated", "prefill", "decode")
+ROLES = tuple(Role)
 
 
 @dataclass
@@ -200,7 +201,7 @@ class NodeRegistry:
         return self._model_problem(stats) or self._kv_shards_problem(stats)
 
     def _kv_shards_problem(self, stats: NodeStats) -> str | None:
-        if stats.role == "colocated":
+        if stats.role == Role.COLOCATED:
             return None
         if self.kv_shards_reference is None:
             self.kv_shards_reference = stats.tensor_parallel_size

@@ -25,6 +25,7 @@ from pdserve.router.stats_log import StatsLog
 from pdserve.router.unsupported import UnknownFieldLog
 from pdserve.router.validation import KVCapacity, Limits
 from pdserve.text.tokenizer import load_tokenizer
+from pdserve.wire.roles import Role
 
 # Threads that tokenize and apply chat templates (HF tokenizers release the GIL while they
 # encode); the characters of a prompt are bounded before it gets there.
@@ -141,10 +142,10 @@ class RouterState:
     def kv_capacity(self) -> KVCapacity:
         """The largest KV caches (in blocks) of the live nodes that would serve a request."""
         registry = self.client.registry
-        prefill = registry.live("prefill")
-        serving = registry.live("decode") if prefill else []
+        prefill = registry.live(Role.PREFILL)
+        serving = registry.live(Role.DECODE) if prefill else []
         if not serving:
-            serving, prefill = registry.live("colocated"), []
+            serving, prefill = registry.live(Role.COLOCATED), []
         stats = [n.stats for n in (*serving, *prefill)]
         return KVCapacity(
             block_size=max((s.block_size for s in stats), default=0),

@@ -24,6 +24,7 @@ from pdserve.router.sampling import choice_samplings, request_sampling
 from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.structured import output_spec
 from pdserve.router.tools import ToolPlan, check_tools, template_input
+from pdserve.wire.roles import Role
 from pdserve.wire.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -184,11 +185,11 @@ def check_kv_capacity(plan: Plan, capacity: KVCapacity) -> None:
 def _check_kv_need(prompt: int, max_tokens: int, capacity: KVCapacity) -> None:
     block_size = capacity.block_size
     needs = [
-        ("decode" if capacity.prefill_blocks is not None else "colocated", prompt + max_tokens,
+        (Role.DECODE if capacity.prefill_blocks is not None else Role.COLOCATED, prompt + max_tokens,
          capacity.serving_blocks, "prompt and completion"),
     ]
     if capacity.prefill_blocks is not None:
-        needs.append(("prefill", prompt + 1, capacity.prefill_blocks, "prompt"))
+        needs.append((Role.PREFILL, prompt + 1, capacity.prefill_blocks, "prompt"))
     for role, tokens, blocks, what in needs:
         needed = -(-tokens // block_size)
         if blocks and needed > blocks:
@@ -198,7 +199,7 @@ def _check_kv_need(prompt: int, max_tokens: int, capacity: KVCapacity) -> None:
                 f"largest KV cache of a live {role} node holds {blocks:,} blocks "
                 f"({blocks * block_size:,} tokens), so it can never be served. Please reduce "
                 "the length of the prompt or the completion.",
-                "max_tokens" if role != "prefill" else None,
+                "max_tokens" if role != Role.PREFILL else None,
             )
 
 

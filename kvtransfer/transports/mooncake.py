@@ -43,13 +43,14 @@ from pdserve.kvtransfer.transports.mooncake_engine import (
     local_address_toward,
     transfer_engine_class,
 )
+from pdserve.wire.roles import Role
 
 # A step's write may still land this long after it started: Mooncake's timeout, plus a margin
 # for the nanosecond per byte it adds (4 ms for a 4 MiB step).
 STRATEGY = DirectWrite(write_timeout_s=WRITE_TIMEOUT_S + 1.0)
 
 
-def check_host_memory(device: torch.device, side: str, contiguous: bool = True) -> None:
+def check_host_memory(device: torch.device, side: Role, contiguous: bool = True) -> None:
     if device.type != "cpu" or not contiguous:
         raise ValueError(
             f"the mooncake KV transport moves a contiguous host-memory KV cache; the {side} "
@@ -69,12 +70,12 @@ class MooncakeReceiverTransport(ReceiverTransport):
     def allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, device: torch.device
     ) -> KVCache:
-        check_host_memory(device, "decode")
+        check_host_memory(device, Role.DECODE)
         return KVCache(spec, num_blocks, device)
 
     def export(self, kv_cache: KVCache, channel_address: str) -> dict[str, Any]:
         buffer = kv_cache.buffer
-        check_host_memory(buffer.device, "decode", buffer.is_contiguous())
+        check_host_memory(buffer.device, Role.DECODE, buffer.is_contiguous())
         if self._engine is not None:
             raise RuntimeError("the mooncake KV transport registers one KV cache per node")
         engine = MooncakeEngine(host_of(channel_address))
@@ -113,7 +114,7 @@ class MooncakeSenderTransport(SenderTransport):
         self._run_bytes = 0  # one block's keys (or values) of one layer
 
     def attach(self, descriptor: KVDescriptor, kv_cache: KVCache) -> None:
-        check_host_memory(kv_cache.buffer.device, "prefill", kv_cache.buffer.is_contiguous())
+        check_host_memory(kv_cache.buffer.device, Role.PREFILL, kv_cache.buffer.is_contiguous())
         handle = descriptor.handle
         session, address, nbytes = handle.get("session"), handle.get("address"), handle.get("bytes")
         if (
