@@ -5,8 +5,8 @@ incrementally and cut at its stop strings, yielded as per-choice events.
 
 `events()` ends when every choice has finished; its `finally` (and `close()`) aborts every
 sub-request still running on the node, so a cancelled stream, a closed generator, a client
-disconnect (`ClientDisconnected`, raised when the optional `poll_disconnect` says so) or a
-node failure never leaves work behind.
+disconnect (`ClientDisconnected`, raised once the request's connection reports its client
+gone) or a node failure never leaves work behind.
 
 Ownership: whoever calls `start()` must call `close()` once the request is over, whatever
 happened (the router registers it with `errors.at_request_end` before `start()`). `close()`
@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.types import Receive
 
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.choice_groups import ChoiceGroup, choice_groups
@@ -41,12 +43,6 @@ from pdserve.router.node_client import NodeClient
 from pdserve.router.validation import Plan
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.wire.messages import RequestFailed, TokenUpdate
-
-# A request waiting for its first token asks its connection this often whether the client
-# left. Each ask costs the event loop a receive with a cancel scope: at 0.05 s, 150 admitted
-# streams of a 1,000-request burst on a loaded host cost the router about a third of its loop
-# (profiled), and its 429s answered 1.0 s after arrival instead of 0.7 s.
-DISCONNECT_POLL_S = 0.5
 
 
 class UpdateQueue(asyncio.Queue):
@@ -140,7 +136,7 @@ class Generation:
         self.choices: list[_Choice] = []
         self._by_request_id: dict[str, _Choice] = {}
         self._places: dict[int, int] = {}  # choice -> its prompt tokens, while it holds a place
-        self._poll_at = 0.0
+        self._client_gone = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -248,45 +244,45 @@ class Generation:
         return any(c.finish_reason is None for c in self.choices)
 
     async def events(
-        self,
-        poll_disconnect: Callable[[], Awaitable[bool]] | None = None,
-        poll_until_first_event: bool = False,
+        self, receive: Receive | None = None, watch_until_first_event: bool = False
     ) -> AsyncIterator[list[ChoiceEvent]]:
-        """The choices' events, batched as they arrive. With `poll_disconnect`, the client is
-        asked whether it left (ClientDisconnected) - until the first event only, with
-        `poll_until_first_event`: a streaming response watches its connection from then on."""
+        """The choices' events, batched as they arrive. With `receive` (the request's ASGI
+        receive, its body already read), a task waits for the connection to report its client
+        gone (ClientDisconnected) - until the first event only, with `watch_until_first_event`:
+        a streaming response watches its connection from then on. The task costs nothing while
+        it waits, however many requests wait for their first token (a poll per request would)."""
+        watcher = asyncio.create_task(self._watch(receive)) if receive is not None else None
         try:
             while self._unfinished():
-                messages = [await self._next(poll_disconnect)]
+                messages = [await self._next()]
                 while not self.queue.empty():
                     messages.append(self.queue.get_nowait())
                 events = [e for e in map(self._handle, messages) if e is not None]
                 if events:
-                    if poll_until_first_event:
-                        poll_disconnect = None
+                    if watch_until_first_event and watcher is not None:
+                        watcher.cancel()
+                        watcher = None
                     yield events
             if self.failure is not None:
                 raise self.failure
         finally:
+            if watcher is not None:
+                watcher.cancel()
             self.close()
 
-    async def _next(self, poll: Callable[[], Awaitable[bool]] | None) -> Any:
-        """The next node message. With `poll`, asks it at least every DISCONNECT_POLL_S, also
-        while tokens keep arriving faster than that."""
-        while True:
-            if poll is None:
-                return await self.queue.get()
-            now = time.monotonic()
-            if now >= self._poll_at:
-                self._poll_at = now + DISCONNECT_POLL_S
-                if await poll():
-                    raise ClientDisconnected
-            if not self.queue.empty():
-                return self.queue.get_nowait()
-            try:
-                return await asyncio.wait_for(self.queue.get(), self._poll_at - now)
-            except TimeoutError:
-                pass
+    async def _watch(self, receive: Receive) -> None:
+        """Waits for the client to go away, then wakes the reader."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_gone = True
+        super(UpdateQueue, self.queue).put_nowait(None)  # wakes a reader waiting in _next
+
+    async def _next(self) -> Any:
+        """The next node message; ClientDisconnected once the client is gone."""
+        message = await self.queue.get()
+        if self._client_gone:
+            raise ClientDisconnected
+        return message
 
     def _handle(self, message: Any) -> ChoiceEvent | None:
         choice = self._by_request_id.get(getattr(message, "request_id", None))

@@ -161,7 +161,7 @@ async def _generate(
     responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
     at_request_end(request.scope, generation.close)  # before start(): covers every exit
     generation.start()
-    events = generation.events(request.is_disconnected, poll_until_first_event=req.stream)
+    events = generation.events(request.receive, watch_until_first_event=req.stream)
     try:
         if not req.stream:
             return JSONResponse(await responder.collect(events))

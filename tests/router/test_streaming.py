@@ -258,35 +258,49 @@ def test_closing_a_stream_aborts_every_choice(tmp_path, tokenizer):
     assert not state.client.inflight
 
 
+class Connection:
+    """An ASGI receive whose client goes away when `leave()` is called; counts its calls."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+        self.calls = 0
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def receive(self) -> dict:
+        self.calls += 1
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
 def test_disconnect_while_waiting_aborts(tmp_path, tokenizer):
     from pdserve.router.generation import ClientDisconnected
 
-    async def gone() -> bool:
-        return True
+    connection = Connection()
 
     async def body(generation):
+        asyncio.get_running_loop().call_later(0.2, connection.leave)
         with pytest.raises(ClientDisconnected):
-            async for _ in generation.events(gone):
+            async for _ in generation.events(connection.receive):
                 pass
 
     node, state = _run_generation_scenario(tmp_path, tokenizer, body, delay=0.5)
     assert node.aborted == {"cmpl-test-0", "cmpl-test-1"}
     assert not state.client.inflight
+    assert connection.calls == 1  # one wait, not a poll
 
 
-def test_a_stream_stops_asking_for_its_client_after_the_first_event(tmp_path, tokenizer):
-    """From the first event on, the streaming response watches the connection itself."""
-    polls_after_first = []
-    first_seen = []
-
-    async def here() -> bool:
-        if first_seen:
-            polls_after_first.append(True)
-        return False
+def test_a_stream_stops_watching_its_client_after_the_first_event(tmp_path, tokenizer):
+    """From the first event on, the streaming response watches the connection itself: the
+    generation's own watcher is gone, so a client that leaves later is not seen here."""
+    connection = Connection()
+    events_seen = []
 
     async def body(generation):
-        async for _ in generation.events(here, poll_until_first_event=True):
-            first_seen.append(True)
+        async for events in generation.events(connection.receive, watch_until_first_event=True):
+            events_seen.append(events)
+            connection.leave()
 
     _run_generation_scenario(tmp_path, tokenizer, body, delay=0.05)
-    assert first_seen and not polls_after_first
+    assert len(events_seen) > 1  # ran to its end after the client "left"
