@@ -26,7 +26,7 @@ class DecodeTiming:
     step_s: list[float]
     forward_s: list[float]
     linears_s: float = 0.0  # the model's Linear layers alone, each called on a [1, in] input
-    compiled: bool = False  # the forward was engine/one_token_step.py's compiled step
+    compiled: bool = False  # the forward was engine/runner/one_token_step.py's compiled step
 
     @property
     def median_step_s(self) -> float:

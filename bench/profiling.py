@@ -41,7 +41,7 @@ class ProfileSummary:
 def labelled_phases(engine: Any) -> Iterator[None]:
     """Wraps the engine's phases in profiler ranges: schedule, batch, metadata, model (or the
     runner's compiled decode paths, where it has them), sample."""
-    from pdserve.engine import model_runner
+    from pdserve.engine.runner import model_runner
 
     runner = engine.runner
     with ExitStack() as stack:

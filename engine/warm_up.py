@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sample.sampler import SampleResult
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pdserve.engine.sched.scheduler import ScheduledSequence, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The client's direct controls over the next-token distribution: presence, frequency and
 repetition penalties, min_p, logit_bias and stop_token_ids. Bounded here, where they enter
 (a 400 naming the field), and passed on as SamplingParams arguments; the engine's sampler
-applies them (engine/logits_processors.py) and checks them again.
+applies them (engine/sample/logits_processors.py) and checks them again.
 
 logit_bias keys are token ids written as JSON strings ("50256"); they are checked as integers
 in the vocabulary and sent on as canonical strings (msgpack maps on the wire have string keys),

@@ -1,8 +1,8 @@
-"""The compiled decode paths on the CPU in bf16: the one-sequence step (engine/one_token_step.py,
-kernels/cpu_decode_step.py) and the batch step's compiled ops between the linears
-(engine/decode_batch_step.py, kernels/cpu_decode_glue.py). From the same cache state each
-writes the same keys and values and gives the logits of the torch forward (on the tiny
-families, bit for bit on the benchmark CPU; asserted within a bf16 bound), with a sliding
+"""The compiled decode paths on the CPU in bf16: the one-sequence step
+(engine/runner/one_token_step.py, kernels/cpu_decode_step.py) and the batch step's compiled ops
+between the linears (engine/runner/decode_batch_step.py, kernels/cpu_decode_glue.py). From the same
+cache state each writes the same keys and values and gives the logits of the torch forward (on the
+tiny families, bit for bit on the benchmark CPU; asserted within a bf16 bound), with a sliding
 window shorter than the context too; the runner takes each only for the steps it serves; and
 neither is built where a part of it cannot run."""
 
@@ -13,8 +13,8 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.batch import build_flat_batch
-from pdserve.engine.decode_batch_step import DecodeBatchStep
-from pdserve.engine.one_token_step import OneTokenStep
+from pdserve.engine.runner.decode_batch_step import DecodeBatchStep
+from pdserve.engine.runner.one_token_step import OneTokenStep
 from pdserve.kernels.cpu_gemv import cpu_gemv_available
 from pdserve.testing.tiny_models import save_tiny_model
 

@@ -16,11 +16,11 @@ import zmq
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.llm_engine import StepFailure
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sample.sampler import Sampler
 from pdserve.engine.sequence import Sequence
+from pdserve.testing.tiny_models import VOCAB_SIZE
 from pdserve.wire.messages import Generate, NodeStats
 from tests.nodes.test_colocated_node import Router, free_port
-from pdserve.testing.tiny_models import VOCAB_SIZE
 
 PROMPTS = [[5, 17, 99, 300], [42] * 9, list(range(100, 131)), [7, 8], [300, 200, 100] * 5]
 

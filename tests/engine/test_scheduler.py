@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
