@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine.attention import attention_backend_class
 from pdserve.engine.attention.base import AttentionBackend
-from pdserve.engine.batch import FlatBatch, build_flat_batch
+from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from pdserve.engine.cpu.cpu_allocator import keep_freed_memory_for_reuse
 from pdserve.engine.distributed.group import RankGroup
@@ -22,6 +22,15 @@ from pdserve.engine.kv.swap_space import SwapSpace
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.llama import shard_layout
 from pdserve.engine.runner.decode_batch_step import DecodeBatchStep
+from pdserve.engine.runner.forward_paths import (
+    DecodeBatch,
+    ForwardBatch,
+    ForwardPath,
+    GraphReplay,
+    ModelForward,
+    OneTokenDecode,
+    choose,
+)
 from pdserve.engine.runner.loader import load_model
 from pdserve.engine.runner.memory_budget import kv_cache_budget
 from pdserve.engine.runner.memory_profile import (
@@ -150,6 +159,23 @@ class ModelRunner:
             ]
             if compiled:
                 logger.info("compiled on the CPU: %s", ", ".join(compiled))
+        self.forward_paths = self._forward_paths()
+
+    def _forward_paths(self) -> list[ForwardPath]:
+        """The paths this runner's steps may take, fastest first (engine/runner/forward_paths.py):
+        those its device, model and cache allow, then the model's forward."""
+        paths: list[ForwardPath] = []
+        if self.decode_graphs is not None:
+            paths.append(GraphReplay(self.decode_graphs))
+        if self.one_token_step is not None:
+            paths.append(OneTokenDecode(self.one_token_step))
+        if self.decode_batch_step is not None:
+            paths.append(DecodeBatch(self.decode_batch_step))
+        return [*paths, ModelForward(self.model, self.attention)]
+
+    def forward_path(self, name: str) -> ForwardPath | None:
+        """This runner's path of that `name` ("model", "one_token_step", ...), None without it."""
+        return next((path for path in self.forward_paths if path.name == name), None)
 
     def _allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, factory: KVCacheFactory | None
@@ -296,11 +322,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @staticmethod
-    def _decodes_only(batch: FlatBatch) -> bool:
-        """Whether every sequence of the batch computes one token after a context."""
-        return batch.num_tokens == batch.num_seqs and all(n > 0 for n in batch.context_lens)
-
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[tuple[Sequence, SampleResult]]:
         """Runs the step; returns a sample for each sequence whose chunk reached its end (for
@@ -326,28 +347,8 @@ class ModelRunner:
             logits_indices = torch.cat((logits_indices, scoring.rows))
         if self.workers is not None:
             self.workers.send_step(step.blocks_to_copy, batch, logits_indices)
-        if (
-            scoring is None
-            and self.decode_graphs is not None
-            and self.decode_graphs.can_run(batch)
-        ):
-            logits = self.decode_graphs.run(batch)
-        elif (
-            scoring is None
-            and self._decodes_only(batch)
-            and batch.num_seqs == 1
-            and self.one_token_step is not None
-        ):
-            logits = self.one_token_step(batch.input_ids, batch.block_tables[0], batch.seq_lens[0])
-        elif scoring is None and self._decodes_only(batch) and self.decode_batch_step is not None:
-            logits = self.decode_batch_step(
-                batch.input_ids, batch.positions, batch.block_tables, batch.seq_lens
-            )
-        else:
-            metadata = self.attention.prepare(batch)
-            logits = self.model(
-                batch.input_ids, batch.positions, logits_indices, self.attention, metadata
-            )
+        forward = ForwardBatch(batch, logits_indices, scores_prompts=scoring is not None)
+        logits = choose(self.forward_paths, forward).run(forward)
         if scoring is not None:
             num_sampled = batch.logits_indices.numel()
             scoring.record(logits[num_sampled:])
