@@ -34,7 +34,7 @@ from pdserve.bench.hooks import abort_all, patched, timed
 from pdserve.bench.machine import command_line, load_average, machine_info
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.batch import build_flat_batch
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 
 RESULTS = Path(__file__).parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

@@ -26,7 +26,7 @@ class DecodeTiming:
     step_s: list[float]
     forward_s: list[float]
     linears_s: float = 0.0  # the model's Linear layers alone, each called on a [1, in] input
-    compiled: bool = False  # the forward was engine/one_token_step.py's compiled step
+    compiled: bool = False  # the forward was engine/runner/one_token_step.py's compiled step
 
     @property
     def median_step_s(self) -> float:
@@ -44,9 +44,10 @@ def measure_decode_b1(engine: Any, prompt: list[int], num_steps: int) -> DecodeT
     engine.step()  # prefill, not timed
     step_s: list[float] = []
     forward_s: list[float] = []
-    compiled = engine.runner.one_token_step is not None
-    forward = "one_token_step" if compiled else "model"
-    with patched(engine.runner, forward, timed(forward_s)):
+    one_token = engine.runner.forward_path("one_token_step")
+    compiled = one_token is not None
+    forward = (one_token, "step") if compiled else (engine.runner.forward_path("model"), "model")
+    with patched(*forward, timed(forward_s)):
         for _ in range(num_steps):
             start = time.perf_counter()
             engine.step()

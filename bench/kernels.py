@@ -166,8 +166,8 @@ def build_model(device: torch.device, max_positions: int) -> torch.nn.Module:
 def bench_steps(batches: list[int], context: int, device: torch.device) -> list[StepRun]:
     from pdserve.engine.attention.triton_backend import TritonAttentionBackend
     from pdserve.engine.batch import build_flat_batch
-    from pdserve.engine.cuda_graphs import DecodeGraphs
-    from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+    from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+    from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
     max_positions = context + 1
     model = build_model(device, max_positions)

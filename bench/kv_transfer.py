@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from pdserve.bench.machine import command_line, load_average, machine_info
 from pdserve.bench.report import md_table
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import ChannelSender, KVDescriptor, SenderConfig, TransferKind
 from pdserve.kvtransfer.descriptor import dtype_name
 from pdserve.kvtransfer.peer import PeerProcess

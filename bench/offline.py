@@ -2,7 +2,7 @@
 
 What it measures (same dtype for both, same thread count, greedy decoding, one process). The
 dtype is ``--dtype``; its default, auto, is what pdserve's ``--dtype auto`` picks on this machine
-(bf16 on a CPU with AMX-BF16 or AVX512-BF16, else fp32; engine/dtype_choice.py), and
+(bf16 on a CPU with AMX-BF16 or AVX512-BF16, else fp32; engine/cpu/dtype_choice.py), and
 transformers runs in the same:
 
 1. pdserve: ``LLM.generate`` on the whole workload at once (continuous batching, paged KV
@@ -111,8 +111,8 @@ def build_llm(model_path: Path, args: argparse.Namespace) -> Any:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """`--dtype`'s torch dtype; auto is engine/dtype_choice.py's choice on this CPU."""
-    from pdserve.engine.dtype_choice import choose_dtype
+    """`--dtype`'s torch dtype; auto is engine/cpu/dtype_choice.py's choice on this CPU."""
+    from pdserve.engine.cpu.dtype_choice import choose_dtype
 
     requested = None if name == "auto" else getattr(torch, name)
     return choose_dtype(requested, torch.device("cpu"), None).dtype

@@ -41,7 +41,7 @@ class ProfileSummary:
 def labelled_phases(engine: Any) -> Iterator[None]:
     """Wraps the engine's phases in profiler ranges: schedule, batch, metadata, model (or the
     runner's compiled decode paths, where it has them), sample."""
-    from pdserve.engine import model_runner
+    from pdserve.engine.runner import model_runner
 
     runner = engine.runner
     with ExitStack() as stack:
@@ -51,10 +51,11 @@ def labelled_phases(engine: Any) -> Iterator[None]:
             patched(model_runner, "build_flat_batch", labelled("pd.build_batch"))
         )
         stack.enter_context(patched(runner.attention, "prepare", labelled("pd.attn_prepare")))
-        stack.enter_context(patched(runner, "model", labelled("pd.model")))
+        stack.enter_context(patched(runner.forward_path("model"), "model", labelled("pd.model")))
         for compiled in ("one_token_step", "decode_batch_step"):
-            if getattr(runner, compiled) is not None:
-                stack.enter_context(patched(runner, compiled, labelled(f"pd.{compiled}")))
+            path = runner.forward_path(compiled)
+            if path is not None:
+                stack.enter_context(patched(path, "step", labelled(f"pd.{compiled}")))
         stack.enter_context(patched(runner, "sampler", labelled("pd.sample")))
         yield
 

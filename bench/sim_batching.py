@@ -24,8 +24,8 @@ import torch
 
 from pdserve.bench.machine import command_line, machine_info
 from pdserve.bench.report import md_table
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.wire.sampling_params import SamplingParams
 

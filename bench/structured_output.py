@@ -2,7 +2,7 @@
 B requests unconstrained, on the default model (SmolLM2-135M, its 49,152-token vocabulary).
 
 Both sides decode the same prompts at the same batch size; the constrained side asks for a JSON
-array of at least 100 objects (engine/structured_output.py's lazy-lexer case: strings,
+array of at least 100 objects (engine/sample/structured_output.py's lazy-lexer case: strings,
 numbers, enums), which no row completes within the measured steps, so the batch stays full.
 Each side's number is the median wall time of `engine.step()` over the measured decode steps
 (prefill and the first decode steps excluded), the better of `--repeats` interleaved runs; the
@@ -24,8 +24,8 @@ import torch
 from pdserve.bench.hooks import abort_all, patched, timed
 from pdserve.bench.machine import command_line, machine_info
 from pdserve.engine import EngineConfig, SamplingParams
-from pdserve.engine import sampler as sampler_module
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sample import sampler as sampler_module
 
 RESULTS = Path(__file__).parent / "results"
 ITEM = {

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pdserve.bench.machine import command_line, load_average, machine_info
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_features import usable_cores
+from pdserve.engine.cpu.cpu_features import usable_cores
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.wire.sampling_params import SamplingParams
 

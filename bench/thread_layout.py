@@ -41,7 +41,7 @@ from pdserve.bench.serve_datasets import RandomSpec, random_requests, warmup_req
 from pdserve.bench.serve_load import LoadOptions, LoadRequest, run_load, summarize
 from pdserve.bench.serve_vocab import load_vocabulary
 from pdserve.bench.server_processes import server_processes
-from pdserve.engine.cpu_features import usable_cores
+from pdserve.engine.cpu.cpu_features import usable_cores
 
 RESULTS = Path(__file__).parent / "results"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

@@ -256,7 +256,7 @@ def setup_table(args: argparse.Namespace, vocab_source: str) -> dict[str, str]:
 
 def pdserve_dtype(serve_flags: str | None) -> str:
     """The dtype the pdserve servers run in: `--dtype` if the flags give one, else what
-    `--dtype auto` picks on this machine (the rule of engine/dtype_choice.py)."""
+    `--dtype auto` picks on this machine (the rule of engine/cpu/dtype_choice.py)."""
     flags = shlex.split(serve_flags or "")
     for i, flag in enumerate(flags):
         if flag.startswith("--dtype="):
@@ -265,7 +265,7 @@ def pdserve_dtype(serve_flags: str | None) -> str:
             return flags[i + 1]
     import torch
 
-    from pdserve.engine.dtype_choice import choose_dtype
+    from pdserve.engine.cpu.dtype_choice import choose_dtype
 
     return f"{choose_dtype(None, torch.device('cpu'), None)} (--dtype auto)"
 

@@ -17,7 +17,7 @@ GPUs (the prefill node opens each decode node's KV buffer on that node's GPU, fo
 so every node's list holds every GPU the deployment uses, its own first; under the other
 transports it holds its own GPU alone. Each node gets `--processes-on-device` (how many nodes
 share its GPU) and the operator's `--gpu-memory-utilization` (default 0.9), which those nodes
-share equally (engine/memory_budget.py). A colocated node with `--tensor-parallel-size N`
+share equally (engine/runner/memory_budget.py). A colocated node with `--tensor-parallel-size N`
 (engine/distributed/) sees the first N GPUs and starts its N - 1 worker ranks itself, rank r
 on cuda:r; disaggregated nodes run one rank each (N > 1 is refused before anything starts).
 

@@ -39,7 +39,7 @@ class NodeThreads:
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask where the OS has one); the same as
-    engine/cpu_features.py's, which the launcher does not import (it loads no engine code)."""
+    engine/cpu/cpu_features.py's, which the launcher does not import (it loads no engine code)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

@@ -41,7 +41,7 @@ ROUTER_SHUTDOWN_S = 10.0
 RESTART_DELAY_S = 1.0
 QUICK_EXIT_S = 30.0
 MAX_QUICK_EXITS = 3
-# The shm KV transport names a decode node's segment so (engine/shared_segment.py).
+# The shm KV transport names a decode node's segment so (engine/kv/shared_segment.py).
 SHM_DIR = Path("/dev/shm")
 KV_SEGMENT_PREFIX = "pdserve-kv-"
 

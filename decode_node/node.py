@@ -5,7 +5,7 @@ once, kvtransfer/base.py). A disaggregated request (Generate with a `prefill_add
 without is served colocated) moves through these stages (`Stage`), each with its deadline,
 all set in `_enter`:
   WAITING_FOR_BLOCKS  queued until `reserve_blocks` finds room for the whole prompt, in the
-                      engine's order (priority aged by arrival, engine/sequence_queue.py), not
+                      engine's order (priority aged by arrival, engine/sched/sequence_queue.py), not
                       first come first served; deadline: `queue_timeout_s` after arrival, then
                       RequestFailed 503 (the router refuses earlier, by its queue-delay bound).
   TRANSFERRING        the receiver expects the blocks and the prefill node gets a

@@ -10,15 +10,15 @@ import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.engine.admission import ADMISSION_POLICIES
-from pdserve.engine.preemption import PREEMPTION_MODES
+from pdserve.engine.kv.admission import ADMISSION_POLICIES
+from pdserve.engine.sched.preemption import PREEMPTION_MODES
 from pdserve.wire.config_flags import gib_to_bytes, option
 
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.cpu_features import CpuFeatures
-    from pdserve.engine.dtype_choice import DtypeChoice
+    from pdserve.engine.cpu.cpu_features import CpuFeatures
+    from pdserve.engine.cpu.dtype_choice import DtypeChoice
 
 # dtype names -> torch's; torch is imported only when a dtype is resolved, so the parsers
 # generated from EngineConfig (wire/config_flags.py) load without it.
@@ -56,16 +56,16 @@ class EngineConfig:
     model: a model folder (config.json + *.safetensors + tokenizer files); None means the
         default model, downloaded on first use.
     dtype: "auto" (on CUDA the config's 16-bit dtype or bf16; on the CPU bf16 where it has
-        AMX-BF16 or AVX512-BF16, else fp32: engine/dtype_choice.py) or a dtype name.
+        AMX-BF16 or AVX512-BF16, else fp32: engine/cpu/dtype_choice.py) or a dtype name.
     kv_cache_dtype: "auto" (the KV cache holds the model's dtype) or "fp8_e4m3" ("fp8" is
         vLLM's alias, stored as "fp8_e4m3"): one byte per element, stored as x / scale and read
-        as x * scale with per-layer scales (engine/kv_scales.py), so a block is half a 16-bit
+        as x * scale with per-layer scales (engine/kv/kv_scales.py), so a block is half a 16-bit
         one and the same memory holds twice the blocks.
     load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
         drawn from `seed`; the folder needs only config.json, and without tokenizer files the
-        engine takes token ids only) (engine/loader.py).
+        engine takes token ids only) (engine/runner/loader.py).
     kv_cache_memory: bytes for the KV cache; on CUDA, None means this process's share of the
-        device (engine/memory_budget.py) minus what the process already holds.
+        device (engine/runner/memory_budget.py) minus what the process already holds.
     gpu_memory_utilization: the fraction of the device's memory that the `processes_on_device`
         node processes placed on it may hold together (weights, activations, KV cache); each
         gets an equal share. One process with a smaller fraction is an explicit share.
@@ -85,11 +85,11 @@ class EngineConfig:
         that start with the same tokens; `prefix_cache_min_blocks` is the shortest run of full
         blocks worth keeping.
     preemption_mode: "auto" (per sequence, the cheaper of recompute and swap by measured
-        speeds), "recompute" or "swap" (engine.preemption); `swap_space` bytes of host memory
+        speeds), "recompute" or "swap" (engine.sched.preemption); `swap_space` bytes of host memory
         hold swapped-out KV (allocated on first use; 0 disables swapping).
-    admission: "optimistic", "worst-case" or "predicted" (engine.admission), with
+    admission: "optimistic", "worst-case" or "predicted" (engine.kv.admission), with
         `admission_quantile` of observed output lengths for "predicted".
-    priority_aging_s: seconds of waiting worth one priority level (engine.sequence_queue);
+    priority_aging_s: seconds of waiting worth one priority level (engine.sched.sequence_queue);
         0 makes priorities strict.
     """
 
@@ -302,11 +302,11 @@ class EngineConfig:
         config_dtype: torch.dtype | None,
         cpu: CpuFeatures | None = None,
     ) -> DtypeChoice:
-        """The dtype to run in on `device`, and why (engine/dtype_choice.py); `cpu` None
+        """The dtype to run in on `device`, and why (engine/cpu/dtype_choice.py); `cpu` None
         detects this machine's features, a test passes others."""
         import torch
 
-        from pdserve.engine.dtype_choice import choose_dtype
+        from pdserve.engine.cpu.dtype_choice import choose_dtype
 
         requested = None if self.dtype == "auto" else getattr(torch, _DTYPES[self.dtype])
         return choose_dtype(requested, device, config_dtype, cpu)

@@ -9,7 +9,7 @@ generator). Its lifecycle:
             a child removes it from the parent, aborting the last one (or the request's id)
             ends the parent.
   fork      the step whose chunk completes the prompt samples its last position's logits once
-            per child, each with the child's own parameters and generator (model_runner.py),
+            per child, each with the child's own parameters and generator (runner/model_runner.py),
             so each child's first token is the one a lone request with its settings draws.
             `fork` then gives every child the parent's blocks (one reference per child,
             `BlockManager.fork`) and the parent's computed prompt, joins it to the running
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.sample.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.wire.sampling_params import SamplingParams
 

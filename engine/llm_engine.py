@@ -1,5 +1,5 @@
 """The engine core: requests in, token steps out. No text, no I/O, no threads but the grammar
-compiler's (engine/structured_output.py, which holds a request out of the scheduler while its
+compiler's (engine/sample/structured_output.py, which holds a request out of the scheduler while its
 grammar compiles).
 
 `add_request` validates and queues; each `step()` schedules one iteration, runs it, appends the
@@ -23,24 +23,24 @@ from typing import Any, NoReturn
 
 import torch
 
-from pdserve.engine.admission import AdmissionPolicy
-from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.forks import Forks, check_choices
-from pdserve.engine.held_blocks import HeldBlocks
+from pdserve.engine.kv.admission import AdmissionPolicy
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.held_blocks import HeldBlocks
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import KVCacheFactory, ModelRunner
 from pdserve.engine.models import model_class
 from pdserve.engine.outputs import EngineStep, StepOutput
-from pdserve.engine.preemption import PreemptionPolicy
 from pdserve.engine.prompt_checks import check_prompt
-from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
-from pdserve.engine.queue_wait import QueueWaitStats
-from pdserve.engine.sampler import SampleResult, skip_sample
-from pdserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from pdserve.engine.runner.model_runner import KVCacheFactory, ModelRunner
+from pdserve.engine.sample.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sample.sampler import SampleResult, skip_sample
+from pdserve.engine.sample.structured_output import StructuredOutput
+from pdserve.engine.sched.preemption import PreemptionPolicy
+from pdserve.engine.sched.queue_wait import QueueWaitStats
+from pdserve.engine.sched.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_failure import StepFailure, find_culprits
-from pdserve.engine.structured_output import StructuredOutput
 from pdserve.engine.warm_up import WARM_UP_MAX_TOKENS, warm_up
 from pdserve.text.tokenizer import load_tokenizer
 from pdserve.wire.sampling_params import SamplingParams
@@ -68,7 +68,7 @@ class LLMEngine:
     ) -> None:
         """`kv_cache_factory(spec, num_blocks, device)` allocates a one-rank engine's KV cache
         (a decode node passes its KV receiver's, which places the buffer where prefill nodes
-        can write); None: the engine's own (engine/model_runner.py)."""
+        can write); None: the engine's own (engine/runner/model_runner.py)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -141,7 +141,7 @@ class LLMEngine:
         is computed once under `request_id` with `params` and forked into one sequence per
         choice, whose outputs carry the choice's id (engine/forks.py). `group` names the client
         request it is part of (several prompts of one API request share it), whose sequences
-        share the batch as one request's (engine/request_share.py); None: its own id."""
+        share the batch as one request's (engine/sched/request_share.py); None: its own id."""
         if request_id in self.sequences or request_id in self.forks:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
@@ -384,7 +384,7 @@ class LLMEngine:
     def reserve_blocks(self, num_tokens: int) -> list[int] | None:
         """Decode side: blocks for a prompt whose KV another node computes, held until
         `add_prefilled_request` takes them or `release_blocks` returns them; None if the
-        cache cannot hold them now (engine/held_blocks.py)."""
+        cache cannot hold them now (engine/kv/held_blocks.py)."""
         return self.held_blocks.reserve(num_tokens)
 
     def hold_blocks(self, block_ids: list[int]) -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sample.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sample.sampler import TokenLogprobs
 
 
 @dataclass

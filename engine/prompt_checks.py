@@ -5,7 +5,7 @@ what was expected (the router turns it into a 400)."""
 
 from __future__ import annotations
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 from pdserve.wire.sampling_params import SamplingParams
 

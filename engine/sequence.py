@@ -9,7 +9,7 @@ waiting in the same queue, and copied back in when admitted again).
 
 `priority`: lower is more important (as in vLLM's API); `arrival_time` orders equals.
 `group`: the client request this sequence serves (a batch of prompts, each with its choices, is
-one request); `share_tier` is its share of that request (engine/request_share.py), None until
+one request); `share_tier` is its share of that request (engine/sched/request_share.py), None until
 the scheduler takes it.
 `token_ids` only grows (prompt, then each appended output token), whatever the state.
 `grammar` (a request with `structured_output`, once its grammar compiled) follows the output
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pdserve.engine.prompt_logprobs import PromptLogprobs
+from pdserve.engine.sample.prompt_logprobs import PromptLogprobs
 from pdserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.structured_output import SequenceGrammar
+    from pdserve.engine.sample.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):

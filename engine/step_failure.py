@@ -25,10 +25,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.engine.distributed.group import RankFailure
-from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pdserve.engine.sched.scheduler import ScheduledSequence, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.runner.model_runner import ModelRunner
 
 
 class StepFailure(Exception):

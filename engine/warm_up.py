@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sampler import SampleResult
-from pdserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from pdserve.engine.sample.sampler import SampleResult
+from pdserve.engine.sched.scheduler import ScheduledSequence, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.wire.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
 """Whole-block copies within the KV buffer [num_layers, 2, num_blocks, num_kv_heads, block_size,
-head_dim], for copy-on-write (engine/block_moves.py launches it on CUDA).
+head_dim], for copy-on-write (engine/kv/block_moves.py launches it on CUDA).
 
 The buffer is seen as [planes, blocks, block_numel]: its planes are its (layer, key/value)
 pairs. Grid (num_moves, planes, ceil(block_numel / CHUNK)): each program copies CHUNK elements of

@@ -39,7 +39,7 @@ try:
         to_bf16,
     )
     from pdserve.kernels.cpu_decode_attention import decode_kernel
-except ImportError:  # engine/decode_batch_step.py reports the path unavailable
+except ImportError:  # engine/runner/decode_batch_step.py reports the path unavailable
     numba = None
 
 if numba is not None:

@@ -25,7 +25,7 @@ torch path rounds them. The results differ from the torch path's only where a su
 another order (the norm's mean of squares) or an exp differs in its last bit (silu): a bf16 ulp
 in rare elements, the bound tests/engine/test_bf16_cpu.py states for one-token steps already.
 
-The model's embedding, final norm and LM head stay in torch (engine/one_token_step.py).
+The model's embedding, final norm and LM head stay in torch (engine/runner/one_token_step.py).
 Compiled on first use for each (query heads per attention call, head dim, tokens per chunk)
 and cached on disk like the other numba kernels.
 """
@@ -50,7 +50,7 @@ try:
     )
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_gemv import gemv_kernel
-except ImportError:  # engine/one_token_step.py reports the step unavailable
+except ImportError:  # engine/runner/one_token_step.py reports the step unavailable
     numba = None
 
 if numba is not None:

@@ -9,7 +9,7 @@ Decode node (`KVReceiver`)
   register(kv_cache, model_fingerprint)        once, right after: opens the channel and
                                  returns the `KVDescriptor` the node publishes to prefill nodes.
                                  A tensor-parallel node registers its node cache, every rank's
-                                 shard (engine/shared_kv_cache.py), and the prefill node
+                                 shard (engine/kv/shared_kv_cache.py), and the prefill node
                                  connects with its own: a transfer moves all ranks' layers.
   expect(transfer_id, block_ids, deadline, budget_s)  when the node has reserved destination
                                  blocks for a request, before it tells the prefill node the
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer.descriptor import KVDescriptor
 
 

@@ -8,7 +8,7 @@ size, layers, KV heads (per rank), head dim and a model fingerprint. `num_blocks
 node's own count; the prefill side uses it to range-check destination block ids before sending
 anything.
 
-Tensor parallelism: a node of N ranks moves its node cache (engine/shared_kv_cache.py), every
+Tensor parallelism: a node of N ranks moves its node cache (engine/kv/shared_kv_cache.py), every
 rank's shard, rank-major: prefill rank r's shard lands in decode rank r's. The pair must shard
 alike, so a different `tensor_parallel_size` is refused first, on its own.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import torch
 
-from pdserve.engine.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KV_CACHE_LAYOUT, KVCacheSpec
 from pdserve.kvtransfer.messages import KVProtocolError
 from pdserve.wire.messages import unpack_map
 

@@ -43,7 +43,7 @@ DEFAULT_FINGERPRINT = "unnamed-model"
 
 
 def kv_spec(fields: dict[str, Any]):
-    from pdserve.engine.kv_cache import KVCacheSpec
+    from pdserve.engine.kv.kv_cache import KVCacheSpec
     from pdserve.kvtransfer.descriptor import DTYPE_NAMES
 
     return KVCacheSpec(**{**fields, "dtype": DTYPE_NAMES[fields["dtype"]]})
@@ -69,7 +69,7 @@ class Endpoints:
     def run(self, command: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from pdserve.engine.kv_cache import KVCache
+        from pdserve.engine.kv.kv_cache import KVCache
         from pdserve.kvtransfer import (
             ChannelReceiver,
             ChannelSender,

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.shared_segment import NODE_ID_PATTERN
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.shared_segment import NODE_ID_PATTERN
 from pdserve.kvtransfer.base import KVReceiver, TransferEvent, TransferKind
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.events import EventBoard

@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.kv_cache import KVCache
 from pdserve.kvtransfer.base import KVSender, TransferEvent, TransferKind
 from pdserve.kvtransfer.descriptor import KVDescriptor, check_compatible
 from pdserve.kvtransfer.events import EventBoard

@@ -62,7 +62,7 @@ MAX_OUTBOX = 100_000
 
 def refuse_tensor_parallel_on_gpu(engine_config: EngineConfig, role: str) -> None:
     """ValueError for tensor parallelism on CUDA on a node that moves KV to or from another
-    node: a transfer moves a node cache holding every rank's shard (engine/shared_kv_cache.py),
+    node: a transfer moves a node cache holding every rank's shard (engine/kv/shared_kv_cache.py),
     which exists on the CPU; GPU ranks' shards would each need a handle of their own."""
     if engine_config.tensor_parallel_size > 1 and engine_config.resolve_device().type != "cpu":
         raise ValueError(

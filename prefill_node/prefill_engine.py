@@ -25,8 +25,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.prompt_logprobs import PromptTokenLogprobs
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sample.prompt_logprobs import PromptTokenLogprobs
+from pdserve.engine.sample.sampler import TokenLogprobs
 from pdserve.wire.sampling_params import SamplingParams
 
 

@@ -16,8 +16,8 @@ streaming: vLLM refuses a positive value with `stream`; this server refuses any,
 asked for is silently left out.
 
 Either asks the nodes to score the prompt (`prompt_logprobs` in the sampling settings, with
-the larger of the two alternative counts; engine/prompt_logprobs.py), for prompts of at most
-MAX_PROMPT_LOGPROBS_TOKENS tokens. A prompt scored takes no prefix-cache hit on the node.
+the larger of the two alternative counts; engine/sample/prompt_logprobs.py), for prompts of
+at most MAX_PROMPT_LOGPROBS_TOKENS tokens. A prompt scored takes no prefix-cache hit on the node.
 """
 
 from __future__ import annotations

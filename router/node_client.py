@@ -185,7 +185,7 @@ class NodeClient:
         `prompt_id`, carrying them (router/choice_groups.py); each choice is then a request
         of its own here (its updates, abort and retry, by its id). One choice travels as a
         plain Generate under its own id. `group`: the client request it belongs to (the
-        engine's fair share, engine/request_share.py)."""
+        engine's fair share, engine/sched/request_share.py)."""
         node = self.live_node()
         if node is None:
             raise LookupError("no live node")

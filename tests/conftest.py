@@ -140,7 +140,7 @@ def node_id():
     """A fresh node id for a KV receiver; its shared-memory segment must be gone afterwards."""
     import uuid
 
-    from pdserve.engine.shared_segment import SHM_DIR, segment_name
+    from pdserve.engine.kv.shared_segment import SHM_DIR, segment_name
 
     node = f"n{uuid.uuid4().hex[:10]}"
     yield node

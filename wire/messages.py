@@ -87,11 +87,11 @@ class ChoiceToken:
 class Generate:
     """Start a request, sampled by `sampling`. With
     `prefill_address` (to a decode node), that prefill node computes the prompt. Lower
-    `priority` is served first (engine.sequence_queue). With `choices` (2 to
+    `priority` is served first (engine.sched.sequence_queue). With `choices` (2 to
     MAX_CHOICES_PER_PROMPT), the prompt is computed once under `request_id` with `sampling`
     (the first choice's) and forked into the choices, each sampled with its own settings.
     `group` names the client request the prompt belongs to: the engine's fair share counts
-    the sequences of one group together (engine/request_share.py)."""
+    the sequences of one group together (engine/sched/request_share.py)."""
 
     type: ClassVar[str] = "generate"
     request_id: str

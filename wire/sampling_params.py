@@ -132,13 +132,13 @@ class SamplingParams:
     the whole vocabulary. `seed` (signed 64-bit) makes a request's samples reproducible
     whatever else shares its batches. `logprobs` N returns the sampled token's log-probability
     and the N most likely alternatives (0 <= N <= 20); `prompt_logprobs` N the same for every
-    prompt token after the first, given the tokens before it (engine/prompt_logprobs.py).
+    prompt token after the first, given the tokens before it (engine/sample/prompt_logprobs.py).
     `stop` strings end the text before the match; `stop_token_ids` add to the model's own
     end-of-sequence ids (at most 1,024 of them), which `ignore_eos` disables; neither can
     stop before `min_tokens`. Every count is at most 2**31 - 1, so it
     fits any integer tensor; the engine checks token ids against the vocabulary.
 
-    Penalties and biases (vLLM's semantics; engine/logits_processors.py applies them, to greedy
+    Penalties and biases (vLLM's semantics; engine/sample/logits_processors.py applies them, to greedy
     rows too): `presence_penalty` and `frequency_penalty` (each in [-2, 2], 0 is off) subtract
     presence * (count > 0) + frequency * count from each token's logit, counting the tokens
     generated so far; `repetition_penalty` (in (0, 2], 1 is off) divides the positive logits

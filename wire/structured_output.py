@@ -16,7 +16,7 @@ JSON is generated in one line, items separated by ", " and keys by ": " (json.du
 with no other whitespace: free whitespace lets a small model pad with newlines forever.
 
 Only the shape and the sizes are checked here (pure Python, no grammar library): whether a
-schema, regex or grammar compiles is found out by the engine (engine/structured_output.py),
+schema, regex or grammar compiles is found out by the engine (engine/sample/structured_output.py),
 which fails that request alone with `GrammarError`, a ValueError the nodes report as a 400.
 """
 

@@ -3,7 +3,7 @@
 The model runner calls `prepare(batch)` once per step (building whatever index tensors the
 backend needs, shared by all layers), then every layer calls `forward(layer, q, k, v, metadata)`,
 which stores the step's keys and values into the paged cache at `batch.slot_mapping` (an fp8
-cache: divided by the layer's scale in `kv_scales`, engine/kv_scales.py) and returns
+cache: divided by the layer's scale in `kv_scales`, engine/kv/kv_scales.py) and returns
 attention outputs for every token of the flat batch: full attention over each sequence's cached
 context, causal within its new tokens, grouped-query heads sharing their KV head.
 """
@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from pdserve.engine.batch import FlatBatch
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_scales import KVScales
+from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.kv.kv_scales import KVScales
 
 
 def count_leading_decodes(batch: FlatBatch) -> int:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from pdserve.engine.batch import FlatBatch
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_scales import KVScales, is_fp8
+from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.kv.kv_scales import KVScales, is_fp8
 
 
 @dataclass

@@ -12,7 +12,7 @@ a softmax segmented by sequence (per-sequence max, then sums by `index_add_`) co
 SDPA: causal when it has no cached context (using its fresh keys, without touching the cache),
 else with an explicit mask (full over the context, causal within the chunk).
 
-An fp8 cache (engine/kv_scales.py) stores the step's keys and values divided by the layer's
+An fp8 cache (engine/kv/kv_scales.py) stores the step's keys and values divided by the layer's
 scales, as bytes (torch has no fp8 index_copy_ on the CPU), and every read multiplies them back.
 A chunk without context then attends its fresh keys after that same round trip - what the cache
 holds - so a prompt's attention does not depend on how it was chunked, on which node, or
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
 from pdserve.engine.attention.cpu_decode import CpuDecodeKernel, PagedDecode
 from pdserve.engine.batch import FlatBatch
-from pdserve.engine.kv_scales import dequantize, is_fp8, quantize
+from pdserve.engine.kv.kv_scales import dequantize, is_fp8, quantize
 
 
 @dataclass

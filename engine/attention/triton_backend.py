@@ -23,8 +23,8 @@ import torch
 
 from pdserve.engine.attention.base import AttentionBackend, count_leading_decodes
 from pdserve.engine.batch import FlatBatch
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_scales import KVScales, is_fp8
+from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.kv.kv_scales import KVScales, is_fp8
 from pdserve.kernels.decode_attention import SplitPlan, decode_attention, plan_splits
 from pdserve.kernels.prefill_attention import prefill_attention
 from pdserve.kernels.store_kv import store_kv

@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from pdserve.engine.batch import FlatBatch
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_features import usable_cores
+from pdserve.engine.cpu.cpu_features import usable_cores
 from pdserve.engine.distributed.group import DEFAULT_TIMEOUT_S, RankFailure, RankGroup, open_store
 from pdserve.engine.distributed.messages import BlockSwap, Message, StepInputs, encode
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.swap_space import SwapSpace
+from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.kv.swap_space import SwapSpace
 from pdserve.wire.child_command import python_module_command
 from pdserve.wire.config_flags import as_values
 

@@ -24,9 +24,9 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.distributed.group import RankGroup, connect_store
 from pdserve.engine.distributed.messages import BlockSwap, StepInputs, read_message
+from pdserve.engine.kv.swap_space import SwapSpace
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.swap_space import SwapSpace
+from pdserve.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ On the CPU (fp32) that is oneDNN's prepacked matmul: measured on this project's 
 against the model's own shapes, it runs decode steps 2x faster than MKL's matmul at batch 8 to
 64, and matrix-vector products (batch 1) 15% faster. Elsewhere `F.linear` is already the best.
 
-bf16 weights are prepacked too, on a CPU with native bf16 matmuls (engine/cpu_features.py;
+bf16 weights are prepacked too, on a CPU with native bf16 matmuls (engine/cpu/cpu_features.py;
 elsewhere oneDNN has no fast bf16 kernel and `F.linear` stays). Measured on a 2-core Xeon with
 AMX-BF16 (torch 2.13), microseconds per call at SmolLM2-135M's shapes, by tokens in the batch:
 
@@ -37,7 +37,7 @@ where that kernel runs a bf16 layer keeps both: the prepacked weight for batches
 and more, a row-major copy for one token (`OneTokenWeight`). That doubles the memory of the
 linear weights (269 MB more for SmolLM2-135M) for batch-1 decode steps 1.16-1.21x faster
 (median engine.step() 27.4 -> 22.6 ms and 25.8 -> 22.3 ms, old and new code alternating).
-The model keeps all its copies in one buffer on 2 MiB pages (engine/huge_pages.py), which the
+The model keeps all its copies in one buffer on 2 MiB pages (engine/cpu/huge_pages.py), which the
 kernel reads 1.13-1.23x faster than the same copies on 4 KiB pages.
 """
 
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.cpu_features import detect_cpu_features
+from pdserve.engine.cpu.cpu_features import detect_cpu_features
 
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
@@ -93,7 +93,7 @@ class OneTokenWeight:
     def move_into(self, memory: torch.Tensor) -> None:
         """Copies the weight into `memory` (flat bytes, `num_bytes` of them) and reads it from
         there from now on: the model gathers every copy onto huge pages this way
-        (engine/huge_pages.py). The old copy is freed unless someone else holds it."""
+        (engine/cpu/huge_pages.py). The old copy is freed unless someone else holds it."""
         from pdserve.kernels import cpu_gemv
 
         moved = memory.view(self.weight.dtype).view(self.weight.shape)

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.base import AttentionBackend
+from pdserve.engine.cpu.huge_pages import zeroed_cpu_bytes
 from pdserve.engine.distributed.group import RankGroup
 from pdserve.engine.distributed.layout import ShardLayout
-from pdserve.engine.huge_pages import zeroed_cpu_bytes
 from pdserve.engine.layers.linear import FusedLinear, Linear
 from pdserve.engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding, take_shard
 from pdserve.engine.layers.rms_norm import RMSNorm

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv.block_pool import BlockPool
 from pdserve.engine.prefix_cache.base import PrefixCache, PrefixCacheStats
 from pdserve.engine.prefix_cache.null_cache import NullPrefixCache
 from pdserve.engine.prefix_cache.radix_cache import RadixPrefixCache

@@ -1,6 +1,6 @@
 """Prefix cache interface: full KV blocks kept after their requests, found again by token ids.
 
-Callers (all in `pdserve.engine.block_manager.BlockManager`, which owns the cache):
+Callers (all in `pdserve.engine.kv.block_manager.BlockManager`, which owns the cache):
   match(token_ids)       at admission of a sequence that holds no blocks: the cache's blocks
                          for the longest run of full blocks that is a prefix of `token_ids`.
                          The caller locks them by taking a reference on each (a block held by a

@@ -18,7 +18,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv.block_pool import BlockPool
 from pdserve.engine.prefix_cache.base import PrefixCache
 
 

@@ -44,8 +44,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.block_moves import BlockRun, block_runs, split_runs
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.block_moves import BlockRun, block_runs, split_runs
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.messages import Data
 from pdserve.kvtransfer.strategies import WriteStrategy

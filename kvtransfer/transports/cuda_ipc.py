@@ -2,7 +2,7 @@
 prefill node opens it and copies device-to-device on a side stream that first waits for the
 compute stream as it was when `write` was called. Each step is one gather of its blocks, one
 copy (a peer copy when the decode node's GPU is another), one scatter into the target blocks
-(engine.block_moves.BlockStaging). After a write's last step it records an event on the side
+(engine.kv.block_moves.BlockStaging). After a write's last step it records an event on the side
 streams and waits for it before sending Written, so Written always follows the bytes.
 
 A CUDA IPC handle covers a cudaMalloc allocation. PyTorch's expandable segments
@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.block_moves import BlockStaging, run_block_ids
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.block_moves import BlockStaging, run_block_ids
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
 from pdserve.kvtransfer.transports.base import (

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.block_moves import copy_block_runs
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.block_moves import copy_block_runs
+from pdserve.engine.kv.kv_cache import KVCache
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
 from pdserve.kvtransfer.transports.base import (

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
 from pdserve.kvtransfer.transports.base import (

@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.block_moves import copy_block_runs
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.shared_kv_cache import SharedKVCache
-from pdserve.engine.shared_segment import SharedSegment
+from pdserve.engine.kv.block_moves import copy_block_runs
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.shared_kv_cache import SharedKVCache
+from pdserve.engine.kv.shared_segment import SharedSegment
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.strategies import DirectWrite, WriteStrategy
 from pdserve.kvtransfer.transports.base import (

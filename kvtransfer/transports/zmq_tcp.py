@@ -8,10 +8,10 @@ libzmq no longer reads them); the channel bounds unacknowledged bytes, so they a
 
 On a GPU both sides copy on a side stream of their own, never the compute stream: the sender's
 side stream first waits for the compute stream as it was when `write` was called, gathers the
-step's blocks on the device (engine.block_moves.gather_blocks) and copies them in one DMA into a
+step's blocks on the device (engine.kv.block_moves.gather_blocks) and copies them in one DMA into a
 pinned staging buffer, then waits for that copy alone; the receiver copies the frame to the
 device, scatters it into the target blocks and waits for that before the Ack. On the CPU the
-copies are numpy's (engine.block_moves.copy_block_runs).
+copies are numpy's (engine.kv.block_moves.copy_block_runs).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.block_moves import (
+from pdserve.engine.cpu.cpu_allocator import keep_freed_memory_for_reuse
+from pdserve.engine.kv.block_moves import (
     BlockRun,
     block_runs,
     copy_block_runs,
@@ -28,8 +29,7 @@ from pdserve.engine.block_moves import (
     run_block_ids,
     scatter_blocks,
 )
-from pdserve.engine.cpu_allocator import keep_freed_memory_for_reuse
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer.descriptor import KVDescriptor
 from pdserve.kvtransfer.messages import Data
 from pdserve.kvtransfer.strategies import Streamed, WriteStrategy

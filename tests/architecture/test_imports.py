@@ -9,6 +9,11 @@ process never loads torch (test_router_process_never_loads_torch starts one to s
 serving code imports bench/, tests/ or testing/ (only `pdserve bench serve` dispatches to
 bench/; testing/ holds the tiny random models the tests and bench's GPU check build, and
 nothing imports tests/). Every import counts, including those inside functions.
+
+Inside engine/, each sub-package is a room with its own rule (ENGINE_ROOMS): the KV cache (kv/)
+sees nothing of scheduling (sched/), sampling (sample/) or the model runner (runner/), and what
+the CPU offers (cpu/) sees no other room. The modules on top of engine/ (config, sequence, the
+engine itself) are not a room: every room may import them.
 """
 
 from __future__ import annotations
@@ -41,6 +46,21 @@ ALLOWED: dict[str, set[str] | None] = {
     "commands": set(PROJECT),
     "bench": None,
     "testing": set(),
+}
+# What each room of engine/ may import of the other rooms (itself and engine's top-level
+# modules always); None: anything.
+ENGINE = ROOT / "engine"
+ENGINE_ROOMS: dict[str, set[str] | None] = {
+    "cpu": set(),
+    "kv": {"cpu", "prefix_cache"},
+    "prefix_cache": {"kv"},
+    "sched": {"kv"},
+    "sample": {"sched"},
+    "attention": {"kv"},
+    "layers": {"cpu", "distributed"},
+    "models": {"attention", "cpu", "distributed", "layers"},
+    "runner": {"attention", "cpu", "distributed", "kv", "layers", "models", "sample", "sched"},
+    "distributed": {"cpu", "kv", "runner"},
 }
 # Packages whose processes must stay light: no torch, no model code.
 TORCH_FREE = ("wire", "text", "router")
@@ -102,6 +122,33 @@ def test_the_project_is_imported_by_its_installed_names_only():
     assert not broken, "\n".join(broken)
 
 
+def engine_rooms_imported(path: Path) -> list[tuple[int, str]]:
+    """(line, room) of every import of a room of engine/: `pdserve.engine.<room>...` where
+    <room> is a sub-package."""
+    found = []
+    for line, name in imported_names(path):
+        parts = name.split(".")
+        if parts[:2] == ["pdserve", "engine"] and len(parts) > 2 and (ENGINE / parts[2]).is_dir():
+            found.append((line, parts[2]))
+    return found
+
+
+def test_every_engine_room_has_a_rule():
+    rooms = {path.parent.name for path in ENGINE.glob("*/__init__.py")}
+    assert rooms == set(ENGINE_ROOMS), rooms ^ set(ENGINE_ROOMS)
+
+
+@pytest.mark.parametrize("room", sorted(ENGINE_ROOMS))
+def test_engine_room_imports_only_what_its_rule_allows(room):
+    allowed = ENGINE_ROOMS[room]
+    broken = []
+    for path in sorted((ENGINE / room).rglob("*.py")):
+        for line, name in engine_rooms_imported(path):
+            if allowed is not None and name not in allowed | {room}:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports engine/{name}")
+    assert not broken, "\n".join(broken)
+
+
 def test_commands_import_no_node_code_at_module_level():
     broken = []
     for path in modules_of("commands"):
@@ -123,6 +170,16 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    import torch\n    from pdserve.engine.llm import LLM\n")
     assert imports_of(module) == [(2, "torch"), (3, "engine")]
+
+
+def test_the_engine_room_rules_catch_a_forbidden_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from pdserve.engine.sequence import Sequence\n"
+        "def f():\n    from pdserve.engine.sched.scheduler import Scheduler\n"
+    )
+    assert engine_rooms_imported(module) == [(3, "sched")]
+    assert "sched" not in ENGINE_ROOMS["kv"]
 
 
 @pytest.mark.processes

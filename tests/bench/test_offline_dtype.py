@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.bench.offline import parse_args, resolve_dtype
-from pdserve.engine.dtype_choice import choose_dtype
+from pdserve.engine.cpu.dtype_choice import choose_dtype
 
 
 def test_auto_is_the_engines_choice_on_this_cpu_and_explicit_dtypes_are_kept():

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pdserve.engine import LLM
-from pdserve.engine.admission import AdmissionPolicy, OutputLengthPredictor
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.kv.admission import AdmissionPolicy, OutputLengthPredictor
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 from pdserve.wire.sampling_params import SamplingParams
 

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.cpu_features import detect_cpu_features
+from pdserve.engine.cpu.cpu_features import detect_cpu_features
 from pdserve.engine.layers.linear import Linear
+from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 from tests.engine.prompt_scoring import prompt_logprobs
 from tests.engine.test_greedy_parity import NEW_TOKENS, make_prompts, reference_greedy
-from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 
 TIE_LOGIT_GAP = 0.25
 LOGPROB_BOUND = 0.75

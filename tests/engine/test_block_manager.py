@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.sequence import Sequence
 from pdserve.wire.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
-"""Block moves (engine.block_moves: copy_blocks, gather_blocks, scatter_blocks, BlockStaging) move
-exactly the bytes a copy per block moves, in any order of ids, in batches of any size, for
+"""Block moves (engine.kv.block_moves: copy_blocks, gather_blocks, scatter_blocks, BlockStaging)
+move exactly the bytes a copy per block moves, in any order of ids, in batches of any size, for
 every cache dtype; on CUDA also between the GPU and pinned host memory and within the GPU."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
-from pdserve.engine.kv_cache import KVCacheSpec
+from pdserve.engine.kv.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
+from pdserve.engine.kv.kv_cache import KVCacheSpec
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

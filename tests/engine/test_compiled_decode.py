@@ -1,8 +1,8 @@
-"""The compiled decode paths on the CPU in bf16: the one-sequence step (engine/one_token_step.py,
-kernels/cpu_decode_step.py) and the batch step's compiled ops between the linears
-(engine/decode_batch_step.py, kernels/cpu_decode_glue.py). From the same cache state each
-writes the same keys and values and gives the logits of the torch forward (on the tiny
-families, bit for bit on the benchmark CPU; asserted within a bf16 bound), with a sliding
+"""The compiled decode paths on the CPU in bf16: the one-sequence step
+(engine/runner/one_token_step.py, kernels/cpu_decode_step.py) and the batch step's compiled ops
+between the linears (engine/runner/decode_batch_step.py, kernels/cpu_decode_glue.py). From the same
+cache state each writes the same keys and values and gives the logits of the torch forward (on the
+tiny families, bit for bit on the benchmark CPU; asserted within a bf16 bound), with a sliding
 window shorter than the context too; the runner takes each only for the steps it serves; and
 neither is built where a part of it cannot run."""
 
@@ -13,8 +13,8 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.batch import build_flat_batch
-from pdserve.engine.decode_batch_step import DecodeBatchStep
-from pdserve.engine.one_token_step import OneTokenStep
+from pdserve.engine.runner.decode_batch_step import DecodeBatchStep
+from pdserve.engine.runner.one_token_step import OneTokenStep
 from pdserve.kernels.cpu_gemv import cpu_gemv_available
 from pdserve.testing.tiny_models import save_tiny_model
 
@@ -86,8 +86,9 @@ def test_the_runner_takes_the_step_for_one_sequence_decoding_one_token_only(
     bf16_llm, monkeypatch
 ):
     runner = bf16_llm.engine.runner
-    step, calls = runner.one_token_step, []
-    monkeypatch.setattr(runner, "one_token_step", lambda *args: calls.append(args) or step(*args))
+    path = runner.forward_path("one_token_step")
+    step, calls = path.step, []
+    monkeypatch.setattr(path, "step", lambda *args: calls.append(args) or step(*args))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
 
@@ -153,11 +154,12 @@ def test_the_batch_step_reads_only_a_sliding_windows_keys(bf16_llm, monkeypatch)
 
 def test_the_runner_takes_the_batch_step_for_decode_only_steps(bf16_llm, monkeypatch):
     runner = bf16_llm.engine.runner
-    step, calls = runner.decode_batch_step, []
+    path = runner.forward_path("decode_batch_step")
+    step, calls = path.step, []
+    monkeypatch.setattr(path, "step", lambda *args: calls.append(len(args[0])) or step(*args))
     monkeypatch.setattr(
-        runner, "decode_batch_step", lambda *args: calls.append(len(args[0])) or step(*args)
+        runner, "forward_paths", [p for p in runner.forward_paths if p.name != "one_token_step"]
     )
-    monkeypatch.setattr(runner, "one_token_step", None)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     bf16_llm.generate([[5, 6, 7, 8], [9, 10, 11]], [params] * 2)

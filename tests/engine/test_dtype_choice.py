@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_features import CpuFeatures, detect_cpu_features, features_from_cpuinfo
+from pdserve.engine.cpu.cpu_features import CpuFeatures, detect_cpu_features, features_from_cpuinfo
 
 CPU = torch.device("cpu")
 AMX = CpuFeatures(amx_bf16=True, avx512_bf16=True)
@@ -94,7 +94,7 @@ def test_the_engine_logs_its_dtype_and_why_once(tiny_llama_dir, caplog):
     from pdserve.engine import LLM
 
     expected = torch.bfloat16 if detect_cpu_features().native_bf16_matmul else torch.float32
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.runner.model_runner"):
         llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=8)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype ")]
     name = str(expected).removeprefix("torch.")

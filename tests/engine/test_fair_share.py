@@ -1,14 +1,14 @@
-"""Fair share (engine/request_share.py): one client request's sequences beyond its share rank
+"""Fair share (engine/sched/request_share.py): one client request's sequences beyond its share rank
 behind every other request's first share, so a request arriving while a big one runs is
-scheduled in the first step after its arrival (the bound in engine/scheduler.py)."""
+scheduled in the first step after its arrival (the bound in engine/sched/scheduler.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request_share import RequestShares
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.sched.request_share import RequestShares
+from pdserve.engine.sched.scheduler import Scheduler
 from tests.engine.test_scheduler import make_seq, run_step
 
 

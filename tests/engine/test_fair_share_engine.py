@@ -1,6 +1,6 @@
 """Fair share through the real engine: one request of 8 prompts x n=8 fills the batch; a
 request submitted after it samples its first token in the first step after it arrives (the
-bound in engine/scheduler.py), and the big request's greedy tokens are those it gets alone."""
+bound in engine/sched/scheduler.py), and the big request's greedy tokens are those it gets alone."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sampler import first_max_index
+from pdserve.engine.sample.sampler import first_max_index
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -36,15 +36,15 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_scales import KVScales, is_kv_scale_name, quantize
+from pdserve.engine.kv.block_moves import BlockStaging, copy_blocks, gather_blocks, scatter_blocks
+from pdserve.engine.kv.kv_scales import KVScales, is_kv_scale_name, quantize
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 from tests.engine.prompt_scoring import prompt_logprobs
 from tests.engine.test_forked_choices import choices_of, lone_tokens, prompt_of, run
 from tests.engine.test_greedy_parity import make_prompts
 from tests.engine.test_preemption_modes import check_everything_returned, pressure_prompts
-from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
 
 FP8 = torch.float8_e4m3fn
 NEW_TOKENS = 32

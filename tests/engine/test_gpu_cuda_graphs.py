@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import LLM
+from pdserve.testing.tiny_models import save_tiny_model
 from tests.engine.test_greedy_parity import generate_and_check_clean, make_prompts, reference_greedy
 from tests.kernels.kernel_cases import DEVICE
-from pdserve.testing.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cuda", reason="needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)"

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.loader import build_model, load_model
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.runner.loader import build_model, load_model
 from pdserve.node.cli import engine_config, node_parser
 from pdserve.testing.tiny_models import tiny_configs
 

@@ -1,13 +1,13 @@
-"""The KV cache's share of a GPU shared by node processes (engine/memory_budget.py), on made-up
-device numbers: each process gets `gpu_memory_utilization / processes_on_device` of the device
-minus what it holds, whichever process measures first, and never more than is free."""
+"""The KV cache's share of a GPU shared by node processes (engine/runner/memory_budget.py), on
+made-up device numbers: each process gets `gpu_memory_utilization / processes_on_device` of the
+device minus what it holds, whichever process measures first, and never more than is free."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.memory_budget import DeviceMemory, kv_cache_budget
+from pdserve.engine.runner.memory_budget import DeviceMemory, kv_cache_budget
 
 GIB = 1 << 30
 TOTAL = 80 * GIB

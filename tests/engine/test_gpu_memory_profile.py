@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.memory_budget import kv_cache_budget
-from pdserve.engine.memory_profile import (
+from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.runner.memory_budget import kv_cache_budget
+from pdserve.engine.runner.memory_profile import (
     StepShape,
     largest_decode_shape,
     max_step_shapes,
     profile_device_memory,
 )
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.runner.model_runner import ModelRunner
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -134,7 +134,7 @@ def test_a_runner_profiles_its_real_forwards_before_it_allocates_the_kv_cache(ti
         events.append("allocate_kv_cache")
         return KVCache(spec, num_blocks, device)
 
-    from pdserve.engine import model_runner as runner_module
+    from pdserve.engine.runner import model_runner as runner_module
 
     real_load = runner_module.load_model
 

@@ -11,7 +11,7 @@ import torch
 from pdserve.engine import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampler import SampleResult
+from pdserve.engine.sample.sampler import SampleResult
 from pdserve.engine.warm_up import WARM_UP_MAX_TOKENS, WARM_UP_SHORT_PROMPT_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.llm_engine import StepFailure
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sample.sampler import Sampler
 from pdserve.engine.sequence import Sequence
 from pdserve.testing.tiny_models import VOCAB_SIZE
 from pdserve.wire.messages import Generate, NodeStats

@@ -1,4 +1,4 @@
-"""Zeroed CPU memory on huge pages (engine/huge_pages.py): zeros of the size asked, on a 2 MiB
+"""Zeroed CPU memory on huge pages (engine/cpu/huge_pages.py): zeros of the size asked, on a 2 MiB
 boundary, backed by 2 MiB pages where Linux's transparent huge pages are enabled; and the CPU KV
 cache, which lives there, starts zeroed in its shape and dtype."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.huge_pages import HUGE_PAGE, zeroed_cpu_bytes
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.cpu.huge_pages import HUGE_PAGE, zeroed_cpu_bytes
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

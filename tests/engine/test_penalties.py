@@ -11,8 +11,8 @@ import torch
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from pdserve.engine import SamplingParams
-from pdserve.engine.logits_processors import apply_logit_bias, apply_penalties
-from pdserve.engine.sampler import Sampler, sampling_probs
+from pdserve.engine.sample.logits_processors import apply_logit_bias, apply_penalties
+from pdserve.engine.sample.sampler import Sampler, sampling_probs
 from pdserve.engine.sequence import Sequence
 
 VOCAB = 512

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.preemption import PreemptionPolicy
+from pdserve.engine.sched.preemption import PreemptionPolicy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)

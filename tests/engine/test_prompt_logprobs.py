@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.prompt_logprobs import PromptLogprobs
+from pdserve.engine.sample.prompt_logprobs import PromptLogprobs
 from pdserve.wire.sampling_params import SamplingParams
 
 TOLERANCE = 1e-4

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv.block_pool import BlockPool
 from pdserve.engine.prefix_cache import RadixPrefixCache
 
 BS = 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.wire.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The node cache of a tensor-parallel engine on the CPU (engine/shared_kv_cache.py): every
+"""The node cache of a tensor-parallel engine on the CPU (engine/kv/shared_kv_cache.py): every
 rank's shard in one shared segment, rank-major in the layer dimension; another process's view
 (a worker rank's) is the same bytes; the creator unlinks it on close, and a creator killed
 outright leaves one that the next creator removes. The descriptor carries the rank count, and
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVCacheSpec
-from pdserve.engine.shared_kv_cache import RANKS_ID_PREFIX, SharedKVCache
-from pdserve.engine.shared_segment import HEADER_FORMAT, MAGIC, SHM_DIR, SharedSegment
+from pdserve.engine.kv.kv_cache import KVCacheSpec
+from pdserve.engine.kv.shared_kv_cache import RANKS_ID_PREFIX, SharedKVCache
+from pdserve.engine.kv.shared_segment import HEADER_FORMAT, MAGIC, SHM_DIR, SharedSegment
 from pdserve.kvtransfer.descriptor import DescriptorMismatch, KVDescriptor, check_compatible
 
 RANK_SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)

@@ -17,9 +17,9 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.distributed.group import RankFailure
-from pdserve.engine.shared_segment import SHM_DIR
-from tests.engine.test_preemption_modes import pressure_prompts
+from pdserve.engine.kv.shared_segment import SHM_DIR
 from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
+from tests.engine.test_preemption_modes import pressure_prompts
 
 PROMPT_LENGTHS = (3, 17, 40, 1, 70)
 NEW_TOKENS = 16

@@ -13,8 +13,8 @@ import torch
 
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.batch import build_flat_batch
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.kv_scales import KVScales
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_scales import KVScales
 from pdserve.kernels import cpu_decode_attention as kernel_module
 from pdserve.kernels.cpu_decode_attention import cpu_decode_attention
 from pdserve.kernels.reference import decode_attention_reference

@@ -15,8 +15,8 @@ import torch
 
 from pdserve.engine.attention import attention_backend_class
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.kv_scales import KVScales
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_scales import KVScales
 from pdserve.kernels.block_copy import copy_blocks
 from pdserve.kernels.decode_attention import SplitPlan, decode_attention
 from pdserve.kernels.prefill_attention import prefill_attention

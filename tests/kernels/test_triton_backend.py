@@ -11,8 +11,8 @@ from pdserve.engine.attention import attention_backend_class
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import decode_buckets
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.runner.cuda_graphs import decode_buckets
 from tests.kernels.kernel_cases import DEVICE, TOLERANCES
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16

@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from pdserve.engine import LLM
+from pdserve.testing.tiny_models import COMMON, byte_tokenizer, save_tiny_model
 from tests.engine.test_greedy_parity import generate_and_check_clean, make_prompts, reference_greedy
 from tests.kernels.kernel_cases import DEVICE
-from pdserve.testing.tiny_models import COMMON, byte_tokenizer, save_tiny_model
 
 ENGINE_OPTIONS = {
     "attention_backend": "triton",

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,

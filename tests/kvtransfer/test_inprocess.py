@@ -13,8 +13,8 @@ import pytest
 import torch
 import zmq
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.shared_segment import SHM_DIR, SharedSegment
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.shared_segment import SHM_DIR, SharedSegment
 from pdserve.kvtransfer import (
     TRANSPORT_NAMES,
     ChannelReceiver,

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.block_moves import BlockRun
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.block_moves import BlockRun
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import ChannelReceiver, ChannelSender, ReceiverConfig
 from pdserve.kvtransfer.peer import PeerProcess
 from pdserve.kvtransfer.transports.base import WriteStep, plan_steps

@@ -2,7 +2,7 @@
 each, in this process (each starts one worker rank), give the greedy tokens of a one-rank
 colocated engine, and every block of both nodes returns.
 
-Each node keeps every rank's KV shard in one node cache (engine/shared_kv_cache.py), and a
+Each node keeps every rank's KV shard in one node cache (engine/kv/shared_kv_cache.py), and a
 transfer moves it whole: prefill rank r's shard lands in decode rank r's. Checked over shm,
 zmq and Mooncake, with sharded KV heads and with one KV head replicated on
 both ranks. A pair whose sizes differ is refused at pairing, naming tensor_parallel_size on
@@ -23,6 +23,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.distributed.group import RankFailure
 from pdserve.prefill_node.node import PrefillNode
+from pdserve.testing.tiny_models import save_tiny_model
 from pdserve.wire.messages import RequestFailed
 from tests.mooncake_env import require_mooncake
 from tests.nodes.test_disaggregated_nodes import (
@@ -36,7 +37,6 @@ from tests.nodes.test_fp8_disaggregated_nodes import (
     submit,
 )
 from tests.nodes.unlooped import capture_sends, unlooped_config
-from pdserve.testing.tiny_models import save_tiny_model
 
 NEW_TOKENS = 12
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.decode_node.node import DecodeNode
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.shared_segment import segment_name
+from pdserve.engine.kv.shared_segment import segment_name
 from pdserve.kvtransfer import KVDescriptor
 from pdserve.prefill_node.node import PrefillNode
 from pdserve.wire.messages import Generate, PrefillDone, PrefillRequest, RequestFailed, TokenBatch

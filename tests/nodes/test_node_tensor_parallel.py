@@ -1,6 +1,6 @@
 """Nodes and tensor parallelism: disaggregated nodes refuse it on GPUs before they load
 anything (a KV transfer moves a node cache of every rank's shard, which exists on the CPU:
-engine/shared_kv_cache.py), and a failed rank stops a node's generation loop instead of
+engine/kv/shared_kv_cache.py), and a failed rank stops a node's generation loop instead of
 failing request after request. Disaggregated serving with tensor parallelism on the CPU:
 tests/nodes/test_disaggregated_tensor_parallel.py."""
 

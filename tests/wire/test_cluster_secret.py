@@ -20,7 +20,7 @@ import zmq
 
 from pdserve.commands.launcher import free_port
 from pdserve.commands.serve_process import ServeProcess
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import (
     ChannelReceiver,
     ChannelSender,

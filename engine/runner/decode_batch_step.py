@@ -7,8 +7,8 @@ ops and their Python.
 a bf16 Llama-family model on the CPU on one rank, no q/k norms (Qwen3 keeps the torch path), a
 bf16 KV cache read by the compiled decode attention (head dim a multiple of 16). The runner takes
 it for a step whose every sequence decodes one token, without prompt logprobs (a lone sequence
-takes engine/one_token_step.py where that runs); prefills and mixed steps go through the torch
-forward, whose prefill stays bitwise transformers'. The embedding, the linears, the final
+takes engine/runner/one_token_step.py where that runs); prefills and mixed steps go through the
+torch forward, whose prefill stays bitwise transformers'. The embedding, the linears, the final
 norm's weight and the LM head are the model's own modules and tensors.
 """
 
@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.kv_cache import KVCache
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.kernels.cpu_gemv import bf16_words
 from pdserve.kernels.numba_threads import run_parallel
@@ -28,7 +28,7 @@ from pdserve.kernels.numba_threads import run_parallel
 def compiled_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
     """Whether the compiled decode kernels cover this model and cache: a bf16 Llama-family
     model on one rank without q/k norms, a bf16 CPU cache the decode attention kernel reads
-    (numba installed, head dim a multiple of 16). engine/one_token_step.py asks this too."""
+    (numba installed, head dim a multiple of 16). engine/runner/one_token_step.py asks this too."""
     if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
         return False
     spec = kv_cache.spec

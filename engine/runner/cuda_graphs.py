@@ -16,7 +16,7 @@ overwritten by the next replay.
 
 Memory: the graphs share one private pool. The largest bucket is captured first, so the smaller
 ones reuse the activations' memory it reserved; each graph keeps its own logits buffer. The
-model runner reserves that much before it sizes the KV cache (engine/memory_profile.py), and
+model runner reserves that much before it sizes the KV cache (engine/runner/memory_profile.py), and
 `memory_bytes` is what capture really took, for the log.
 """
 

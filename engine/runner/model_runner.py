@@ -10,17 +10,30 @@ import torch
 
 from pdserve.engine.attention import attention_backend_class
 from pdserve.engine.attention.base import AttentionBackend
-from pdserve.engine.batch import FlatBatch, build_flat_batch
+from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pdserve.engine.cpu_allocator import keep_freed_memory_for_reuse
-from pdserve.engine.decode_batch_step import DecodeBatchStep
+from pdserve.engine.cpu.cpu_allocator import keep_freed_memory_for_reuse
 from pdserve.engine.distributed.group import RankGroup
 from pdserve.engine.distributed.rank_workers import RankWorkers
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec
-from pdserve.engine.kv_scales import kv_scales_for
-from pdserve.engine.loader import load_model
-from pdserve.engine.memory_budget import kv_cache_budget
-from pdserve.engine.memory_profile import (
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
+from pdserve.engine.kv.kv_scales import kv_scales_for
+from pdserve.engine.kv.shared_kv_cache import SharedKVCache
+from pdserve.engine.kv.swap_space import SwapSpace
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.llama import shard_layout
+from pdserve.engine.runner.decode_batch_step import DecodeBatchStep
+from pdserve.engine.runner.forward_paths import (
+    DecodeBatch,
+    ForwardBatch,
+    ForwardPath,
+    GraphReplay,
+    ModelForward,
+    OneTokenDecode,
+    choose,
+)
+from pdserve.engine.runner.loader import load_model
+from pdserve.engine.runner.memory_budget import kv_cache_budget
+from pdserve.engine.runner.memory_profile import (
     CudaMemoryStats,
     MemoryProfile,
     StepShape,
@@ -28,20 +41,16 @@ from pdserve.engine.memory_profile import (
     max_step_shapes,
     profile_device_memory,
 )
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.models.llama import shard_layout
-from pdserve.engine.one_token_step import OneTokenStep
-from pdserve.engine.prompt_logprobs import ScoringPlan
-from pdserve.engine.sampler import Sampler, SampleResult
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.runner.one_token_step import OneTokenStep
+from pdserve.engine.sample.prompt_logprobs import ScoringPlan
+from pdserve.engine.sample.sampler import Sampler, SampleResult
+from pdserve.engine.sched.scheduler import SchedulerOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.shared_kv_cache import SharedKVCache
-from pdserve.engine.swap_space import SwapSpace
 from pdserve.wire.limits import MAX_LOGPROBS
 from pdserve.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.cuda_graphs import DecodeGraphs
+    from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +70,8 @@ class ModelRunner:
         group: RankGroup | None = None,
     ):
         """Loads the model, sizes and allocates the KV cache, then captures the CUDA graphs, in
-        the order engine/memory_profile.py gives. `memory_stats` measures the device for the KV
-        cache's budget: by default the CUDA allocator's on a CUDA device, none on the CPU
+        the order engine/runner/memory_profile.py gives. `memory_stats` measures the device for the
+        KV cache's budget: by default the CUDA allocator's on a CUDA device, none on the CPU
         (where the budget is `kv_cache_memory` or a fixed default); a test passes a fake.
 
         Tensor parallelism (engine/distributed/): with `tensor_parallel_size` > 1 and no
@@ -116,7 +125,7 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         graph_buckets: list[int] = []
         if config.cuda_graphs and self.device.type == "cuda":
-            from pdserve.engine.cuda_graphs import decode_buckets
+            from pdserve.engine.runner.cuda_graphs import decode_buckets
 
             graph_buckets = decode_buckets(config.max_num_seqs)
         num_blocks = self.group.min(
@@ -150,6 +159,23 @@ class ModelRunner:
             ]
             if compiled:
                 logger.info("compiled on the CPU: %s", ", ".join(compiled))
+        self.forward_paths = self._forward_paths()
+
+    def _forward_paths(self) -> list[ForwardPath]:
+        """The paths this runner's steps may take, fastest first (engine/runner/forward_paths.py):
+        those its device, model and cache allow, then the model's forward."""
+        paths: list[ForwardPath] = []
+        if self.decode_graphs is not None:
+            paths.append(GraphReplay(self.decode_graphs))
+        if self.one_token_step is not None:
+            paths.append(OneTokenDecode(self.one_token_step))
+        if self.decode_batch_step is not None:
+            paths.append(DecodeBatch(self.decode_batch_step))
+        return [*paths, ModelForward(self.model, self.attention)]
+
+    def forward_path(self, name: str) -> ForwardPath | None:
+        """This runner's path of that `name` ("model", "one_token_step", ...), None without it."""
+        return next((path for path in self.forward_paths if path.name == name), None)
 
     def _allocate_kv_cache(
         self, spec: KVCacheSpec, num_blocks: int, factory: KVCacheFactory | None
@@ -157,7 +183,7 @@ class ModelRunner:
         """(the node cache, which a KV transfer moves whole; this rank's cache).
 
         One rank: the factory's cache is both. Tensor parallel on the CPU: every rank's shard
-        lives in one SharedKVCache (engine/shared_kv_cache.py) that rank 0 creates and names in
+        lives in one SharedKVCache (engine/kv/shared_kv_cache.py) that rank 0 creates and names in
         the group's store, where each worker finds it and maps its own slice. Tensor parallel
         on CUDA: each rank allocates its own shard and there is no node cache, so the nodes
         that move KV refuse it (node/runtime.py)."""
@@ -180,7 +206,7 @@ class ModelRunner:
         return node_cache, node_cache.rank_shard(self.group.rank)
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
-        from pdserve.engine.cuda_graphs import DecodeGraphs
+        from pdserve.engine.runner.cuda_graphs import DecodeGraphs
 
         config = self.config
         graphs = DecodeGraphs(
@@ -296,11 +322,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @staticmethod
-    def _decodes_only(batch: FlatBatch) -> bool:
-        """Whether every sequence of the batch computes one token after a context."""
-        return batch.num_tokens == batch.num_seqs and all(n > 0 for n in batch.context_lens)
-
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> list[tuple[Sequence, SampleResult]]:
         """Runs the step; returns a sample for each sequence whose chunk reached its end (for
@@ -326,28 +347,8 @@ class ModelRunner:
             logits_indices = torch.cat((logits_indices, scoring.rows))
         if self.workers is not None:
             self.workers.send_step(step.blocks_to_copy, batch, logits_indices)
-        if (
-            scoring is None
-            and self.decode_graphs is not None
-            and self.decode_graphs.can_run(batch)
-        ):
-            logits = self.decode_graphs.run(batch)
-        elif (
-            scoring is None
-            and self._decodes_only(batch)
-            and batch.num_seqs == 1
-            and self.one_token_step is not None
-        ):
-            logits = self.one_token_step(batch.input_ids, batch.block_tables[0], batch.seq_lens[0])
-        elif scoring is None and self._decodes_only(batch) and self.decode_batch_step is not None:
-            logits = self.decode_batch_step(
-                batch.input_ids, batch.positions, batch.block_tables, batch.seq_lens
-            )
-        else:
-            metadata = self.attention.prepare(batch)
-            logits = self.model(
-                batch.input_ids, batch.positions, logits_indices, self.attention, metadata
-            )
+        forward = ForwardBatch(batch, logits_indices, scores_prompts=scoring is not None)
+        logits = choose(self.forward_paths, forward).run(forward)
         if scoring is not None:
             num_sampled = batch.logits_indices.numel()
             scoring.record(logits[num_sampled:])

@@ -6,12 +6,12 @@ unless the caller names one) may bring many sequences: a batch of prompts, each 
 choices. Each sequence gets an ordinal in its request, in submission order (a prompt with n
 choices takes n consecutive ordinals, its choices keep theirs after the fork), and its tier is
 `ordinal // share`: the request's first `share` sequences are tier 0, the next `share` tier 1,
-and so on. The tier comes first in the rank (engine/sequence_queue.py), so the scheduler serves
-every request's first share before any request's second share: admission, the token budget
+and so on. The tier comes first in the rank (engine/sched/sequence_queue.py), so the scheduler
+serves every request's first share before any request's second share: admission, the token budget
 and the choice of preemption victims all follow it. The tier is fixed at submission, like the
 rest of the rank; it costs nothing while one request runs alone (ranks only order what
 competes), and a request of at most `share` sequences is never behind another request's
-sequences beyond that one's share (the bound: engine/scheduler.py).
+sequences beyond that one's share (the bound: engine/sched/scheduler.py).
 `share` is `max_num_seqs // SHARES_PER_BATCH` (at least 1): that many requests' first shares
 fit the batch together.
 """

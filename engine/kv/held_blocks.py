@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv.block_manager import BlockManager
 
 
 class HeldBlocks:

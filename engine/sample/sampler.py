@@ -2,9 +2,9 @@
 
 In order, as in vLLM: the stop tokens of rows short of `min_tokens` are masked (except in rows
 with a grammar, which decides where they end), then the logit biases and penalties apply
-(engine/logits_processors.py), to every row, then each constrained row's grammar mask
-(engine/structured_output.py: -inf for every token its grammar refuses). Greedy rows then take
-the argmax. Random rows apply temperature, min-p, top-k and top-p, then sample with
+(engine/sample/logits_processors.py), to every row, then each constrained row's grammar mask
+(engine/sample/structured_output.py: -inf for every token its grammar refuses). Greedy rows then
+take the argmax. Random rows apply temperature, min-p, top-k and top-p, then sample with
 exponential races (argmax of p / Exp(1) noise), drawing the noise from the sequence's own
 generator when it has a seed, so its tokens do not depend on what else is in the batch.
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.logits_processors import apply_logit_bias, apply_penalties
+from pdserve.engine.sample.logits_processors import apply_logit_bias, apply_penalties
+from pdserve.engine.sample.structured_output import apply_grammar_masks
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.structured_output import apply_grammar_masks
 from pdserve.wire.limits import GREEDY_TEMPERATURE_BELOW, MAX_TEMPERATURE
 
 

@@ -4,7 +4,7 @@
 runner logs the choice once ("dtype bfloat16: AMX-BF16 detected"). An explicit `--dtype` is
 taken as given. `--dtype auto` means:
   - CUDA: the model config's 16-bit dtype, else bf16;
-  - CPU with native bf16 matrix multiplies (AMX-BF16 or AVX512-BF16, engine/cpu_features.py):
+  - CPU with native bf16 matrix multiplies (AMX-BF16 or AVX512-BF16, engine/cpu/cpu_features.py):
     bf16, whatever the config says (fp16 has no fast path on these CPUs);
   - any other CPU: fp32.
 On the CPU, bf16 tokens are not always transformers' fp32 tokens (rounding flips near-ties);
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.cpu_features import CpuFeatures, detect_cpu_features
+from pdserve.engine.cpu.cpu_features import CpuFeatures, detect_cpu_features
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Moving whole KV blocks: the one API that copy-on-write, swap and the KV transports call.
 
 Every buffer here is laid out as the KV cache's ([layers, 2, blocks, kv_heads, block_size,
-head_dim], engine/kv_cache.py), or is a layer range of one; a move is
+head_dim], engine/kv/kv_cache.py), or is a layer range of one; a move is
 dst[:, :, dst_id] = src[:, :, src_id] for each pair of ids.
 
   copy_blocks     within one buffer (copy-on-write). On CUDA one launch of the Triton kernel

@@ -1,6 +1,6 @@
 """A named POSIX shared-memory segment holding a KV buffer that other processes on this host map
 by name: a decode node's for the shm transport, or every rank's of a tensor-parallel engine on
-the CPU (engine/shared_kv_cache.py).
+the CPU (engine/kv/shared_kv_cache.py).
 
 The segment is `pdserve-kv-<id>` under /dev/shm (the id is the node id, or one the engine draws): a one-page header (magic, owner pid,
 payload size) and the payload, which starts page-aligned. The owner creates it and unlinks it

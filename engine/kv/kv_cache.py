@@ -7,7 +7,7 @@ runs and reads every byte once.
 Keeping it one allocation makes it one thing to share (shared memory, CUDA IPC) and register:
 `KVCache.over_buffer` builds a cache over a buffer someone else allocated (a tensor over shared
 memory, a GPU buffer shared by IPC handle) instead of allocating one. Whole blocks move between
-caches and buffers through engine/block_moves.py.
+caches and buffers through engine/kv/block_moves.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.block_moves import copy_blocks
-from pdserve.engine.huge_pages import zeroed_cpu_bytes
+from pdserve.engine.cpu.huge_pages import zeroed_cpu_bytes
+from pdserve.engine.kv.block_moves import copy_blocks
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def check_holds_a_block(spec: KVCacheSpec, num_blocks: int) -> None:
 
 
 class KVCache:
-    num_ranks: int = 1  # tensor-parallel shards the buffer holds (engine/shared_kv_cache.py)
+    num_ranks: int = 1  # tensor-parallel shards the buffer holds (engine/kv/shared_kv_cache.py)
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         check_holds_a_block(spec, num_blocks)
@@ -112,5 +112,5 @@ class KVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies whole blocks (all layers, keys and values) src -> dst, for copy-on-write
-        (engine.block_moves.copy_blocks)."""
+        (engine.kv.block_moves.copy_blocks)."""
         copy_blocks(self.buffer, pairs)

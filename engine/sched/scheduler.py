@@ -3,8 +3,8 @@ preemption.
 
 Queues: `waiting` (new requests, and preempted ones: recomputed from scratch or swapped out to
 host memory) and `running` (holding device blocks). Both are ordered by rank: the sequence's
-share of its client request first (engine/request_share.py), then priority aged by arrival
-time (engine/sequence_queue.py). Each `schedule()` call builds one step under a token budget
+share of its client request first (engine/sched/request_share.py), then priority aged by arrival
+time (engine/sched/sequence_queue.py). Each `schedule()` call builds one step under a token budget
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`), taking the sequences of both
 queues in rank order, as long as budget remains, except that a waiting sequence overtakes a
 running one only from a better share tier or priority, never by arrival alone: a prompt being
@@ -54,13 +54,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pdserve.engine.admission import AdmissionPolicy
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.preemption import PreemptionPolicy
-from pdserve.engine.request_share import RequestShares
+from pdserve.engine.kv.admission import AdmissionPolicy
+from pdserve.engine.kv.block_manager import BlockManager
+from pdserve.engine.kv.swap_space import SwapSpace
+from pdserve.engine.sched.preemption import PreemptionPolicy
+from pdserve.engine.sched.request_share import RequestShares
+from pdserve.engine.sched.sequence_queue import PriorityOrder, SequenceQueue
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.sequence_queue import PriorityOrder, SequenceQueue
-from pdserve.engine.swap_space import SwapSpace
 
 DEFAULT_PRIORITY_AGING_S = 10.0
 

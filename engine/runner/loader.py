@@ -22,7 +22,7 @@ from torch import nn
 from pdserve.engine.config import LOAD_FORMATS
 from pdserve.engine.distributed.group import RankGroup
 from pdserve.engine.distributed.layout import ShardLayout
-from pdserve.engine.kv_scales import is_kv_scale_name
+from pdserve.engine.kv.kv_scales import is_kv_scale_name
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import model_class
 
@@ -81,7 +81,7 @@ def load_model(
         std = getattr(config.hf_config, "initializer_range", None) or DEFAULT_DUMMY_WEIGHT_STD
         model.load_random_weights(generator, std)
     else:
-        model.load_weights(  # KV cache scales are read by engine/kv_scales.py instead
+        model.load_weights(  # KV cache scales are read by engine/kv/kv_scales.py instead
             (name, tensor.to(dtype))
             for name, tensor in iterate_safetensors(config.path)
             if not is_kv_scale_name(name)

@@ -2,7 +2,7 @@
 
 The processes placed on one device (`processes_on_device`, which the launcher counts) may hold
 `gpu_memory_utilization` of its memory together, in equal shares. A process's KV cache gets its
-share minus what the process holds when the budget is measured (engine/memory_profile.py: the
+share minus what the process holds when the budget is measured (engine/runner/memory_profile.py: the
 weights, the peak activations of the largest step, the CUDA graphs' reserve), and never more
 than the device has free for it, in case another process holds more than its share.
 

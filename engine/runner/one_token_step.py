@@ -21,10 +21,10 @@ import math
 import numpy as np
 import torch
 
-from pdserve.engine.decode_batch_step import compiled_decode_fits
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.kv_cache import KVCache
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.runner.decode_batch_step import compiled_decode_fits
 from pdserve.kernels.cpu_gemv import bf16_words
 from pdserve.kernels.numba_threads import run_parallel
 

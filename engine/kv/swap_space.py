@@ -6,7 +6,7 @@ before anything writes the device blocks that a swap-out just gave up. Both repo
 bytes they moved and how long it took (to the end of the copies on the device), which the
 preemption cost model learns from.
 
-A swap moves all its blocks in batches (engine.block_moves.BlockStaging): one gather on the
+A swap moves all its blocks in batches (engine.kv.block_moves.BlockStaging): one gather on the
 source side, one copy through a pinned staging buffer on CUDA, one scatter on the other side.
 
 Invariant: a host block is either free or in exactly one swapped sequence's `host_block_table`
@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from pdserve.engine.block_moves import BlockStaging
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv.block_moves import BlockStaging
+from pdserve.engine.kv.kv_cache import KVCache
 
 
 class SwapSpace:

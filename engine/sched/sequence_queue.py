@@ -9,7 +9,7 @@ arrived before that moment. With aging_s = 0 priorities are strict (ties by arri
 steady flood of more important requests can starve the rest.
 Ties go to the earlier arrival, then to the earlier submission (`Sequence.sequence_number`).
 Before all of this comes the sequence's share of its client request (`Sequence.share_tier`,
-engine/request_share.py): every request's first share ranks ahead of any request's second, so
+engine/sched/request_share.py): every request's first share ranks ahead of any request's second, so
 the bounds above hold between shares of the same tier.
 """
 

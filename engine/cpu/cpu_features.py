@@ -1,6 +1,6 @@
 """Which bf16 matrix instructions this CPU has, detected once per process at run time.
 
-Two readers: `dtype="auto"` (engine/dtype_choice.py) runs the model in bf16 on a CPU that
+Two readers: `dtype="auto"` (engine/cpu/dtype_choice.py) runs the model in bf16 on a CPU that
 multiplies bf16 matrices natively and in fp32 elsewhere, and `Linear.pack()`
 (engine/layers/linear.py) prepacks bf16 weights for oneDNN only on such a CPU. "Natively" means
 AMX-BF16 (tile matrix multiply: Intel Sapphire Rapids and later) or AVX512-BF16 (bf16 dot

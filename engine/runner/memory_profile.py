@@ -1,7 +1,7 @@
 """What a CUDA engine holds besides its KV cache, profiled before the KV cache is allocated.
 
 The model runner's start-up on CUDA, each step finished before the next begins:
-  1. the weights load, built directly in their dtype (engine/loader.py);
+  1. the weights load, built directly in their dtype (engine/runner/loader.py);
   2. `empty_cache()`: what loading freed goes back to the device and stops counting as used;
   3. with CUDA graphs, a decode forward at the largest graph bucket over block tables as long
      as `max_model_len` (the shapes the graphs are captured with): its peak allocation, plus
@@ -13,9 +13,9 @@ The model runner's start-up on CUDA, each step finished before the next begins:
      allocator's peak reservation now covers the weights and the largest activations;
   5. `empty_cache()`, then the device is measured (`DeviceMemory`): the process holds its
      peak reservation plus the graph reserve, and of the device's free memory the KV cache
-     may take what the activations and the graphs will not take back. engine/memory_budget.py
+     may take what the activations and the graphs will not take back. engine/runner/memory_budget.py
      turns that into the KV cache's bytes (this process's share of the device);
-  6. the KV cache is allocated, then the graphs are captured (engine/cuda_graphs.py).
+  6. the KV cache is allocated, then the graphs are captured (engine/runner/cuda_graphs.py).
 The profiling forwards read and write a one-block throwaway cache that every block table
 points at: activations do not depend on the values of the keys they read.
 On the CPU nothing is profiled: the KV cache gets `kv_cache_memory` or a fixed default.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.memory_budget import DeviceMemory
+from pdserve.engine.runner.memory_budget import DeviceMemory
 
 MIB = 1 << 20
 

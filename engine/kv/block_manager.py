@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv.block_pool import BlockPool
 from pdserve.engine.prefix_cache import make_prefix_cache
 from pdserve.engine.sequence import Sequence
 
@@ -66,7 +66,7 @@ class BlockManager:
         prefix (at least one token is left to compute, so a token can be sampled) and marks
         their tokens computed. Returns the number of tokens reused. A sequence that asks for
         prompt logprobs takes cached blocks only over the positions it has scored already:
-        cached positions have no logits (engine/prompt_logprobs.py)."""
+        cached positions have no logits (engine/sample/prompt_logprobs.py)."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.request_id} already holds blocks")
         blocks = self.prefix_cache.match(seq.token_ids)

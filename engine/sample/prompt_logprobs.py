@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pdserve.engine.scheduler import ScheduledSequence
+    from pdserve.engine.sched.scheduler import ScheduledSequence
 
 SLICE_ROWS = 1024  # rows of logits converted to fp32 at once
 

@@ -1,4 +1,4 @@
-"""A KV cache in a named shared-memory segment (engine/shared_segment.py): other processes on
+"""A KV cache in a named shared-memory segment (engine/kv/shared_segment.py): other processes on
 this host map it by name and read or write its blocks in place.
 
 Two owners make one:
@@ -21,8 +21,8 @@ import dataclasses
 import os
 import secrets
 
-from pdserve.engine.kv_cache import KVCache, KVCacheSpec, check_holds_a_block
-from pdserve.engine.shared_segment import SharedSegment
+from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec, check_holds_a_block
+from pdserve.engine.kv.shared_segment import SharedSegment
 
 RANKS_ID_PREFIX = "tp-"
 
