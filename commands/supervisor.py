@@ -14,7 +14,7 @@ Lifecycle of a node child after the deployment is ready:
               heartbeat; nothing else restarts. A node that exits within QUICK_EXIT_S of its
               start MAX_QUICK_EXITS times in a row is crash-looping: `watch()` reports it.
 Stopping (`stop`): with a drain timeout, the router gets SIGTERM first (it answers 503 to new
-requests and lets those in flight finish, router/drain.py) and up to that timeout plus
+requests and lets those in flight finish, router/api/drain.py) and up to that timeout plus
 ROUTER_SHUTDOWN_S to exit, while the nodes keep serving; then every child still running gets
 SIGINT (router) or SIGTERM (nodes), STOP_TIMEOUT_S to exit, and SIGKILL after. Last, every
 segment named after one of the nodes is removed.

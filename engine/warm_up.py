@@ -27,7 +27,7 @@ def warm_up(engine: LLMEngine, max_tokens: int, kernel_variants: bool | None) ->
       1. a prefill of a throwaway prompt of up to `max_tokens` tokens (and the step
          budget), twice: the first pays the one-time costs, the second is timed, device
          work included, for the prefill speed the node reports to the router
-         (router/queue_delay.py);
+         (router/cluster/queue_delay.py);
       2. with `kernel_variants` (default: on a CUDA device; the CPU stops at 1), the
          steps the first real requests hit next, each kernel variant compiled once: a
          mixed step (that prompt's first decode beside a second, short prompt's prefill,

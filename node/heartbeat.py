@@ -5,7 +5,7 @@ silence them; the heartbeat thread keeps telling the router the node process is 
 `interval` seconds over its own PUSH socket (zmq sockets are never shared across threads; the
 context is), so the router can tell a node that is silent (no heartbeat for its node timeout,
 30 s by default) from one that is merely in a long step. A node whose process exits is down at
-once in the router's eyes anyway: its connection closes (router/node_registry.py). The thread also watches that socket's handshakes: a router
+once in the router's eyes anyway: its connection closes (router/cluster/node_registry.py). The thread also watches that socket's handshakes: a router
 that refuses them (its cluster secret differs from the node's, or only one side has one) never
 hears the node, and the node logs that once, as an error naming `--cluster-secret`.
 
@@ -18,7 +18,7 @@ What keeps a busy node alive in the router's eyes, and why no leniency is needed
     itself (`LLMEngine.warm_up`, when the NodeRuntime is built), so a node is registered only
     once it is ready and that cost never counts against it;
   - the router holds no heartbeat it has not read yet against a node: its own stalls do not
-    make live nodes look dead (router/node_registry.py).
+    make live nodes look dead (router/cluster/node_registry.py).
 A short node timeout (two missed heartbeats) was the rule once: on a host whose cores other
 work kept busy it declared healthy nodes dead and cut streams after their first tokens. Death is
 now noticed by the closed connection, so the silence bound can be long.

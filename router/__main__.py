@@ -2,7 +2,7 @@
 
 Runs the app on uvicorn with uvloop and prints one line, "pdserve router listening on
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
-OS picked). SIGTERM drains (router/drain.py); SIGINT shuts down without draining.
+OS picked). SIGTERM drains (router/api/drain.py); SIGINT shuts down without draining.
 
 Every flag is generated from RouterConfig's and LogSettings' fields (wire/config_flags.py).
 `pdserve serve` starts the router with no flags: it hands the settings as data, JSON in
@@ -29,14 +29,14 @@ from typing import Any
 
 import uvicorn
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
+from pdserve.router.api.drain import DrainingServer
+from pdserve.router.api.http_connection import RequestDeadlineProtocol
 from pdserve.router.config import CONFIG_ENV, RouterConfig
-from pdserve.router.drain import DrainingServer
-from pdserve.router.http_connection import RequestDeadlineProtocol
 from pdserve.wire.config_flags import add_flags, build, from_environment, in_flag_terms
 from pdserve.wire.log_format import LogSettings
 
-# Connections (router/http_connection.py): one idle between requests (or since it opened) is
+# Connections (router/api/http_connection.py): one idle between requests (or since it opened) is
 # closed after KEEP_ALIVE_TIMEOUT_S; a request line and headers must all arrive within
 # REQUEST_HEAD_TIMEOUT_S of the connection being ready for them, and be at most
 # MAX_REQUEST_HEAD_BYTES (else 400); the body must all arrive within REQUEST_BODY_TIMEOUT_S

@@ -6,14 +6,14 @@ its tokens, failures and aborts travel.
 
 A prompt's choices go one message each instead when they cannot be forked from one prompt:
 structured output (the engine gives each sequence its own grammar matcher, not its children).
-A retried choice (router/node_client.py) is always sent again alone.
+A retried choice (router/cluster/node_client.py) is always sent again alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.router.validation import Plan
+from pdserve.router.api.validation import Plan
 from pdserve.wire.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.router.node_registry import parse_node_spec
+from pdserve.router.cluster.node_registry import parse_node_spec
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import option
 from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
@@ -86,11 +86,11 @@ class RouterConfig:
     )
     max_body_bytes: int = 1 << 20
     max_n: int = option(8, flag="--max-n", metavar="N", help="largest `n` a request may ask for")
-    # Completions with a list of prompts: prompts x n per request (router/prompts.py).
+    # Completions with a list of prompts: prompts x n per request (router/api/prompts.py).
     max_choices: int = 64
     max_stop: int = 4
     # Admission: sub-requests (n per request) accepted and not yet started (no token back),
-    # and their prompt tokens; past either bound the router answers 429 (router/admission.py).
+    # and their prompt tokens; past either bound the router answers 429 (router/cluster/admission.py).
     max_queued_requests: int = option(
         1024, flag="--max-queued-requests", aliases=("--max-waiting-requests",), metavar="N",
         help="requests (n choices each) admitted and not started yet; past it, 429 "
@@ -103,7 +103,7 @@ class RouterConfig:
     # A request whose prefill would start later than this is refused (429) at once: the node
     # that would compute its prompt has more queued prompt tokens than it prefills in this
     # time (its measured speed), or a request waiting there is already this old
-    # (router/queue_delay.py).
+    # (router/cluster/queue_delay.py).
     max_queue_delay_s: float = option(
         30.0, flag="--max-queue-delay", metavar="SECONDS",
         help="refuse (429) a request that would wait longer than this before its prefill "
@@ -123,13 +123,13 @@ class RouterConfig:
     )
     # A node whose process is alive is down after this long without a heartbeat (nodes send
     # one every 0.5 s from a thread of their own); a node whose process exits is down at once,
-    # its connection closing. Why 30 s: router/node_registry.py.
+    # its connection closing. Why 30 s: router/cluster/node_registry.py.
     node_timeout_s: float = option(
         30.0, flag="--node-timeout", metavar="SECONDS",
         help="a node whose process is alive but silent is down after this long without a "
         "heartbeat (a node whose process exits is down at once: its connection closes)",
     )
-    # On SIGTERM, requests in flight get this long to finish (router/drain.py).
+    # On SIGTERM, requests in flight get this long to finish (router/api/drain.py).
     drain_timeout_s: float = option(
         30.0, flag="--drain-timeout", metavar="SECONDS",
         help="on SIGTERM, how long requests in flight may still run",
@@ -147,8 +147,8 @@ class RouterConfig:
         help="let requests set `priority` (lower is served first); without it a request "
         "with a priority other than 0 is refused with 400",
     )
-    # Logs: one INFO line per request (router/access_log.py), and every
-    # `stats_log_interval_s` one per node that had traffic (router/stats_log.py).
+    # Logs: one INFO line per request (router/api/access_log.py), and every
+    # `stats_log_interval_s` one per node that had traffic (router/cluster/stats_log.py).
     log_requests: bool = option(
         True, flag="--disable-log-requests", switch=True, to_field=operator.not_,
         help="no access line per request (vLLM's spelling)",

@@ -1,5 +1,5 @@
 """One API request's generation: `n` node sub-requests (the choices: n per prompt, for each
-prompt of a batch, router/prompts.py; a prompt's n choices sent in one message, its prompt
+prompt of a batch, router/api/prompts.py; a prompt's n choices sent in one message, its prompt
 computed once, router/choice_groups.py) read from one merged queue, each detokenized
 incrementally and cut at its stop strings, yielded as per-choice events.
 
@@ -34,13 +34,13 @@ from typing import Any
 
 from starlette.types import Receive
 
-from pdserve.router.admission import AdmissionQueue
+from pdserve.router.api.logprobs import check_prompt_entries
+from pdserve.router.api.validation import Plan
 from pdserve.router.choice_groups import ChoiceGroup, choice_groups
+from pdserve.router.cluster.admission import AdmissionQueue
+from pdserve.router.cluster.node_client import NodeClient
 from pdserve.router.errors import APIError, ClientDisconnected
-from pdserve.router.logprobs import check_prompt_entries
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.node_client import NodeClient
-from pdserve.router.validation import Plan
 from pdserve.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pdserve.wire.messages import RequestFailed, TokenUpdate
 
@@ -85,7 +85,7 @@ class UpdateQueue(asyncio.Queue):
 @dataclass
 class ChoiceEvent:
     """New output of one choice; `prompt_logprobs` (with its first token) are the node's
-    scores of the choice's prompt, checked against it (router/logprobs.py)."""
+    scores of the choice's prompt, checked against it (router/api/logprobs.py)."""
 
     index: int
     text: str
@@ -333,7 +333,7 @@ class Generation:
         return ChoiceEvent(choice.index, out, update.logprobs, finish, update.prompt_logprobs)
 
     def _prompt_only(self, choice: _Choice, update: TokenUpdate) -> ChoiceEvent:
-        """`echo` with `max_tokens: 0` (router/echo.py): the choice ends at its first update;
+        """`echo` with `max_tokens: 0` (router/api/echo.py): the choice ends at its first update;
         the token the node was asked for is dropped, and the node stops if it has not."""
         now = time.monotonic()
         choice.first_token_at = now

@@ -14,7 +14,7 @@ validation, tokenization and admission), first token back, last token back, answ
     one update
 
 The node's own waiting queue is inside the prefill time; the nodes measure it themselves
-(`pdserve_queue_wait_seconds_total`, router/scheduling_metrics.py). Token, TTFT, prefill, decode,
+(`pdserve_queue_wait_seconds_total`, router/cluster/scheduling_metrics.py). Token, TTFT, prefill, decode,
 inference and inter-token values are per choice; prompt and generation tokens per request,
 queue time and e2e latency per request (only requests answered in full).
 """
@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from pdserve.router.scheduling_metrics import SchedulingCollector
+from pdserve.router.cluster.scheduling_metrics import SchedulingCollector
 from pdserve.wire.messages import NodeStats
 
 _LATENCY_BUCKETS = (
@@ -177,7 +177,7 @@ def _histogram(
 
 class RouterMetrics:
     """All of the router's metrics; `render()` gives the Prometheus text exposition. Other
-    parts of the router register theirs in `registry` (router/admission.py)."""
+    parts of the router register theirs in `registry` (router/cluster/admission.py)."""
 
     content_type = CONTENT_TYPE_LATEST
 

@@ -1,5 +1,5 @@
 """What one router app owns: settings, tokenizer and its worker threads, metrics and the stats
-log, admission queue and node client, built by `create_app` (router/app.py) and reachable from
+log, admission queue and node client, built by `create_app` (router/api/app.py) and reachable from
 every handler as `request.app.state.router`; nothing of it is module-global, so two apps in
 one process are independent.
 """
@@ -13,17 +13,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pdserve.router.admission import AdmissionQueue
+from pdserve.router.api.logprobs import LogprobFormatter
+from pdserve.router.api.prompt_chars import max_chars_per_token
+from pdserve.router.api.unsupported import UnknownFieldLog
+from pdserve.router.api.validation import KVCapacity, Limits
+from pdserve.router.cluster.admission import AdmissionQueue
+from pdserve.router.cluster.node_client import NodeClient
+from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.stats_log import StatsLog
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, invalid
-from pdserve.router.logprobs import LogprobFormatter
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.node_client import NodeClient
-from pdserve.router.node_registry import NodeState
-from pdserve.router.prompt_chars import max_chars_per_token
-from pdserve.router.stats_log import StatsLog
-from pdserve.router.unsupported import UnknownFieldLog
-from pdserve.router.validation import KVCapacity, Limits
 from pdserve.text.tokenizer import load_tokenizer
 from pdserve.wire.roles import Role
 
@@ -84,7 +84,7 @@ class RouterState:
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.unknown_fields = UnknownFieldLog()
         self.created = int(time.time())
-        self.draining = False  # set on SIGTERM (router/drain.py): new requests get 503
+        self.draining = False  # set on SIGTERM (router/api/drain.py): new requests get 503
 
     def _on_stats(self, node: NodeState) -> None:
         name = node.node_id or node.address

@@ -5,7 +5,7 @@ node
 
 Text: `TIME LEVEL LOGGER: MESSAGE`, control characters in the message escaped. JSON: one object per line with `ts` (ISO 8601, UTC),
 `level`, `logger` and `message`, plus the fields a record carries in `fields` (the access line
-and the stats line put theirs there: router/access_log.py, router/stats_log.py) and
+and the stats line put theirs there: router/api/access_log.py, router/cluster/stats_log.py) and
 `exception` when there is a traceback. uvicorn's own loggers propagate to the same handler, at
 `--uvicorn-log-level`.
 """

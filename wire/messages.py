@@ -174,7 +174,7 @@ class TokenBatch:
 class PromptProgress:
     """Node -> router: how many prompt tokens (beyond the prefix cache's) are computed so far,
     by request id, for the prompts a step advanced without finishing. A request being
-    prefilled is being served, not waiting (router/queue_delay.py)."""
+    prefilled is being served, not waiting (router/cluster/queue_delay.py)."""
 
     type: ClassVar[str] = "prompt_progress"
     node_id: str

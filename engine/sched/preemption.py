@@ -8,7 +8,7 @@ space is full). "auto" compares, per sequence, the time each cure is expected to
 Both speeds start at a prior; the first measurement replaces it and later ones follow an
 exponential moving average of what the engine measures (`observe_prefill`, `observe_copy`),
 so the choice adapts to the device. The measured prefill speed is also what the node reports
-to the router, which turns queued prompt tokens into a queue delay (router/queue_delay.py).
+to the router, which turns queued prompt tokens into a queue delay (router/cluster/queue_delay.py).
 A measured step's time includes its device work: on CUDA, where kernels run asynchronously to
 the host, the engine waits for the device before it reads the clock (only for the steps
 `measures_prefill` accepts, so nothing else pays for the wait).

@@ -1,7 +1,7 @@
 """docs/design.md's module map names every module of the packages, and nothing else.
 
 The map is the "## Module map" section: one list item per module, the path first, in
-backticks, then a colon and a one-line description (- `router/queue_delay.py`: how long ...).
+backticks, then a colon and a one-line description (- `router/cluster/queue_delay.py`: how long ...).
 Package `__init__.py` files are left out of it.
 """
 
@@ -54,7 +54,7 @@ def module_map() -> dict[str, str]:
 
 def test_package_modules_are_found():
     modules = package_modules()
-    assert "router/queue_delay.py" in modules
+    assert "router/cluster/queue_delay.py" in modules
     assert "wire/messages.py" in modules
     assert not any(path.endswith("__init__.py") for path in modules)
 

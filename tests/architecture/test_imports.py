@@ -14,6 +14,10 @@ Inside engine/, each sub-package is a room with its own rule (ENGINE_ROOMS): the
 sees nothing of scheduling (sched/), sampling (sample/) or the model runner (runner/), and what
 the CPU offers (cpu/) sees no other room. The modules on top of engine/ (config, sequence, the
 engine itself) are not a room: every room may import them.
+
+Inside router/, the same way (ROUTER_ROOMS): the cluster client (cluster/) imports nothing of the
+OpenAI HTTP surface (api/), which may import the cluster client. The modules on top of router/
+(config, errors, state, generation, metrics, choice_groups, __main__) may be imported by both.
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ ENGINE_ROOMS: dict[str, set[str] | None] = {
     "models": {"attention", "cpu", "distributed", "layers"},
     "runner": {"attention", "cpu", "distributed", "kv", "layers", "models", "sample", "sched"},
     "distributed": {"cpu", "kv", "runner"},
+}
+# What each room of router/ may import of the other rooms (itself and router's top-level
+# modules always).
+ROUTER = ROOT / "router"
+ROUTER_ROOMS: dict[str, set[str] | None] = {
+    "cluster": set(),
+    "api": {"cluster"},
 }
 # Packages whose processes must stay light: no torch, no model code.
 TORCH_FREE = ("wire", "text", "router")
@@ -122,15 +133,29 @@ def test_the_project_is_imported_by_its_installed_names_only():
     assert not broken, "\n".join(broken)
 
 
-def engine_rooms_imported(path: Path) -> list[tuple[int, str]]:
-    """(line, room) of every import of a room of engine/: `pdserve.engine.<room>...` where
-    <room> is a sub-package."""
+def rooms_imported(path: Path, package: Path) -> list[tuple[int, str]]:
+    """(line, room) of every import of a room of `package`: `pdserve.<package>.<room>...`
+    where <room> is a sub-package."""
     found = []
     for line, name in imported_names(path):
         parts = name.split(".")
-        if parts[:2] == ["pdserve", "engine"] and len(parts) > 2 and (ENGINE / parts[2]).is_dir():
+        if (
+            parts[:2] == ["pdserve", package.name]
+            and len(parts) > 2
+            and (package / parts[2]).is_dir()
+        ):
             found.append((line, parts[2]))
     return found
+
+
+def engine_rooms_imported(path: Path) -> list[tuple[int, str]]:
+    """(line, room) of every import of a room of engine/."""
+    return rooms_imported(path, ENGINE)
+
+
+def router_rooms_imported(path: Path) -> list[tuple[int, str]]:
+    """(line, room) of every import of a room of router/."""
+    return rooms_imported(path, ROUTER)
 
 
 def test_every_engine_room_has_a_rule():
@@ -146,6 +171,22 @@ def test_engine_room_imports_only_what_its_rule_allows(room):
         for line, name in engine_rooms_imported(path):
             if allowed is not None and name not in allowed | {room}:
                 broken.append(f"{path.relative_to(ROOT)}:{line} imports engine/{name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_router_room_has_a_rule():
+    rooms = {path.parent.name for path in ROUTER.glob("*/__init__.py")}
+    assert rooms == set(ROUTER_ROOMS), rooms ^ set(ROUTER_ROOMS)
+
+
+@pytest.mark.parametrize("room", sorted(ROUTER_ROOMS))
+def test_router_room_imports_only_what_its_rule_allows(room):
+    allowed = ROUTER_ROOMS[room]
+    broken = []
+    for path in sorted((ROUTER / room).rglob("*.py")):
+        for line, name in router_rooms_imported(path):
+            if allowed is not None and name not in allowed | {room}:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports router/{name}")
     assert not broken, "\n".join(broken)
 
 
@@ -182,6 +223,16 @@ def test_the_engine_room_rules_catch_a_forbidden_import(tmp_path):
     assert "sched" not in ENGINE_ROOMS["kv"]
 
 
+def test_the_router_room_rules_catch_a_forbidden_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from pdserve.router.errors import APIError\n"
+        "def f():\n    from pdserve.router.api.schemas import CompletionRequest\n"
+    )
+    assert router_rooms_imported(module) == [(3, "api")]
+    assert "api" not in ROUTER_ROOMS["cluster"]
+
+
 @pytest.mark.processes
 def test_router_process_never_loads_torch(tiny_llama_dir):
     """A router process that builds its app (tokenizer, node links, routes) and answers a chat
@@ -189,7 +240,7 @@ def test_router_process_never_loads_torch(tiny_llama_dir):
     script = f"""
 import sys
 from pathlib import Path
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
 from pdserve.router.config import RouterConfig
 import pdserve.router.__main__
 app = create_app(RouterConfig(model_path=Path({str(tiny_llama_dir)!r}), node_addresses=[]))

@@ -1,6 +1,6 @@
 """Hostile numbers and strings from clients, over HTTP: a 4xx naming the field, or an answer.
 
-Every number a client sends is bounded where it enters (router/validation.py); the engine's own
+Every number a client sends is bounded where it enters (router/api/validation.py); the engine's own
 bounds and step-failure isolation are tests/engine/test_hostile_requests.py. The HTTP tests run
 the router in this process, so its admission gauge can be read directly, against a real
 colocated node process on the tiny model.
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
 from pdserve.router.config import RouterConfig
 from tests.fault_checks import stop_process
 from tests.nodes.test_colocated_node import free_port

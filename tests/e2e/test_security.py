@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.commands.serve_process import ServeProcess
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import Heartbeat, NodeStats, encode
@@ -213,7 +213,7 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
     outcomes = send_everywhere(zmq_ports, member, ClusterAuth.from_secret(CLUSTER_SECRET))
     assert zmq.EVENT_HANDSHAKE_SUCCEEDED in outcomes
     expected_drops = (
-        ("pdserve.router.node_client", len(payloads)),  # the router's PULL
+        ("pdserve.router.cluster.node_client", len(payloads)),  # the router's PULL
         ("pdserve.node.runtime", 2 * len(payloads)),  # both nodes' PULL sockets
         ("pdserve.kvtransfer.receiver", len(payloads)),  # the decode node's KV channel
     )

@@ -6,7 +6,7 @@ The prefill side is slowed on purpose (a 16-token step budget), and the decode n
 transfer timeout (0.5 s) is far shorter than the time the burst's prompts queue on the prefill
 node: a transfer's clock runs from its first write, not from the block reservation, so
 queueing longer than the transfer timeout is harmless. The router refuses what would wait
-longer than `--max-queue-delay` (router/queue_delay.py), in 1P1D and colocated mode alike.
+longer than `--max-queue-delay` (router/cluster/queue_delay.py), in 1P1D and colocated mode alike.
 Each deployment first serves a smaller burst of other prompts, so the router has observed how
 fast its queue drains (a cold router relies on the node's own speed measurement, which for a
 model this small leaves out most of the per-step cost).

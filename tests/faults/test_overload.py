@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.__main__ import parse_args
-from pdserve.router.admission import AdmissionQueue
+from pdserve.router.cluster.admission import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError
 from tests.fault_cluster import Cluster, completion, greedy_texts, http

@@ -24,8 +24,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from pdserve.router.api.sse import EventStreamResponse
 from pdserve.router.generation import UpdateQueue
-from pdserve.router.sse import EventStreamResponse
 from pdserve.wire.messages import TokenUpdate
 from tests.fault_cluster import Cluster, completion, http
 

@@ -18,7 +18,7 @@ from pdserve.commands.launcher import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.config import NodeConfig
-from pdserve.router.node_registry import NodeRegistry
+from pdserve.router.cluster.node_registry import NodeRegistry
 from pdserve.wire.messages import Generate, Heartbeat, NodeStats, decode, encode
 from pdserve.wire.sampling_params import SamplingParams
 

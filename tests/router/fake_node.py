@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
 from pdserve.wire.messages import NodeStats, TokenUpdate
 from tests.router import unlooped
 

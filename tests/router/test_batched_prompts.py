@@ -1,4 +1,4 @@
-"""Completions with a list of prompts (router/prompts.py): OpenAI's four forms, each prompt
+"""Completions with a list of prompts (router/api/prompts.py): OpenAI's four forms, each prompt
 named in its errors, prompts x n bounded, choices indexed `prompt * n + i` in JSON and SSE,
 usage summed over the prompts, and admission counting every prompt of a batch."""
 
@@ -10,13 +10,13 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.admission import AdmissionQueue
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
+from pdserve.router.api.validation import Plan
+from pdserve.router.cluster.admission import AdmissionQueue
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError
 from pdserve.router.generation import Generation
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.validation import Plan
 from pdserve.wire.messages import TokenBatch, TokenUpdate, encode
 from pdserve.wire.sampling_params import SamplingParams
 from tests.router import test_streaming

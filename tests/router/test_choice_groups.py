@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve.router.api.validation import Plan
 from pdserve.router.choice_groups import choice_groups
-from pdserve.router.validation import Plan
 from pdserve.wire.messages import RequestFailed, TokenUpdate
 from pdserve.wire.sampling_params import SamplingParams
 from tests.router.test_failover import aborts, cluster, drain, generates, node

@@ -1,4 +1,4 @@
-"""`echo`, `max_tokens: 0` and `prompt_logprobs` in the router (router/echo.py): the prompt
+"""`echo`, `max_tokens: 0` and `prompt_logprobs` in the router (router/api/echo.py): the prompt
 echoed before the completion with its scores first (the first token's null), each prompt of a
 batch its own, in the first chunk when streaming; max_tokens 0 only with echo, its one token
 dropped; vLLM's prompt_logprobs shape; the checks, 400s naming the parameter; the formatter."""
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from pdserve.router.logprobs import LogprobFormatter, check_prompt_entries
+from pdserve.router.api.logprobs import LogprobFormatter, check_prompt_entries
 from pdserve.wire.messages import TokenBatch, TokenUpdate, encode
 from tests.router import test_streaming
 from tests.router.test_streaming import REPLY, ScriptedNode, run_with_node, sse_payloads
@@ -196,7 +196,7 @@ def test_prompt_scores_that_do_not_fit_the_prompt_fail_the_request(
 def client(tiny_llama_dir):
     from starlette.testclient import TestClient
 
-    from pdserve.router.app import create_app
+    from pdserve.router.api.app import create_app
 
     config = unlooped_router_config(
         tiny_llama_dir,

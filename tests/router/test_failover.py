@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.router.node_client import NodeClient
-from pdserve.router.node_registry import NodeState
+from pdserve.router.cluster.node_client import NodeClient
+from pdserve.router.cluster.node_registry import NodeState
 from pdserve.wire.messages import (
     Abort,
     Generate,

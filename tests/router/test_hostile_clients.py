@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pdserve.router.prompt_chars import max_chars_per_token
-from pdserve.router.responses import Responder
+from pdserve.router.api.prompt_chars import max_chars_per_token
+from pdserve.router.api.responses import Responder
 from tests.router.fake_node import (
     MODEL,
     FakeNode,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
-from pdserve.router.sampling import choice_samplings, request_sampling
-from pdserve.router.schemas import CompletionRequest
+from pdserve.router.api.app import create_app
+from pdserve.router.api.sampling import choice_samplings, request_sampling
+from pdserve.router.api.schemas import CompletionRequest
 from pdserve.wire.sampling_params import SamplingParams
 from tests.router.test_validation import assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config

@@ -11,17 +11,17 @@ import pytest
 from starlette.testclient import TestClient
 
 from pdserve.router.__main__ import parse_args
-from pdserve.router.access_log import request_id_from
-from pdserve.router.app import create_app
+from pdserve.router.api.access_log import request_id_from
+from pdserve.router.api.app import create_app
+from pdserve.router.cluster.stats_log import StatsLog
 from pdserve.router.config import RouterConfig
-from pdserve.router.stats_log import StatsLog
 from pdserve.wire.log_format import JSONFormatter, LogSettings
 from pdserve.wire.messages import NodeStats
 from tests.router.test_streaming import MODEL, run_with_node
 from tests.router.unlooped import unlooped_router_config
 
-ACCESS_LOGGER = "pdserve.router.access_log"
-STATS_LOGGER = "pdserve.router.stats_log"
+ACCESS_LOGGER = "pdserve.router.api.access_log"
+STATS_LOGGER = "pdserve.router.cluster.stats_log"
 
 
 def access_records(caplog) -> list[logging.LogRecord]:

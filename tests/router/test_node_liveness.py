@@ -13,8 +13,8 @@ import time
 import zmq
 
 from pdserve.commands.launcher import free_port
-from pdserve.router.node_links import NodeLinks
-from pdserve.router.node_registry import NodeRegistry
+from pdserve.router.cluster.node_links import NodeLinks
+from pdserve.router.cluster.node_registry import NodeRegistry
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import NodeStats
 

@@ -1,4 +1,4 @@
-"""The router's early refusal (router/queue_delay.py), without processes: the predicted wait
+"""The router's early refusal (router/cluster/queue_delay.py), without processes: the predicted wait
 at the node that computes a prompt is its queued prompt tokens over the speed the queue drains
 at (the node's own measurement until the router has observed one), or the age of the oldest
 request still waiting there; past `max_queue_delay_s` a new request gets 429 before anything
@@ -11,10 +11,10 @@ import dataclasses
 
 import pytest
 
+from pdserve.router.cluster.node_client import NodeClient
+from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
 from pdserve.router.errors import APIError
-from pdserve.router.node_client import NodeClient
-from pdserve.router.node_registry import NodeState
-from pdserve.router.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
 from pdserve.wire.messages import PromptProgress, RequestFailed, TokenBatch, TokenUpdate
 from pdserve.wire.sampling_params import SamplingParams
 from tests.router.test_failover import FakeSocket, generates, stats
@@ -206,7 +206,7 @@ def test_prompt_progress_from_a_node_reaches_the_request_its_choice_group_or_its
 
 @pytest.mark.parametrize("roles", [("p", "d"), ("c",)], ids=["disaggregated", "colocated"])
 def test_a_node_already_past_the_bound_refuses_before_the_request_is_read(roles):
-    """The route's first check (router/routes.py): once even an empty prompt would wait past
+    """The route's first check (router/api/routes.py): once even an empty prompt would wait past
     the bound at every node that could compute it, the request is refused before its body is
     read or tokenized; while one node could still take it, nothing is refused early."""
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import random
 
-from pdserve.router.inflight import InFlight
-from pdserve.router.node_client import NodeClient
-from pdserve.router.node_registry import NodeRegistry, NodeState
-from pdserve.router.queue_delay import PromptQueues
-from pdserve.router.routing import PrefillRouter, block_hashes, pick_decode_node
+from pdserve.router.cluster.inflight import InFlight
+from pdserve.router.cluster.node_client import NodeClient
+from pdserve.router.cluster.node_registry import NodeRegistry, NodeState
+from pdserve.router.cluster.queue_delay import PromptQueues
+from pdserve.router.cluster.routing import PrefillRouter, block_hashes, pick_decode_node
 from pdserve.wire.messages import NodeStats, TokenBatch, TokenUpdate
 
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.wire.messages import (
     Abort,
@@ -202,8 +202,8 @@ def test_metrics_count_finished_requests(tmp_path, tokenizer):
 
 
 def _generation(http_app_state, prompt_ids, n=2):
+    from pdserve.router.api.validation import Plan
     from pdserve.router.generation import Generation
-    from pdserve.router.validation import Plan
     from pdserve.wire.sampling_params import SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=50)

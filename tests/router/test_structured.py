@@ -9,11 +9,11 @@ import re
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.structured import structured_output_of
-from pdserve.router.unsupported import NOT_IMPLEMENTED
-from pdserve.router.validation import plan_chat, plan_completion
+from pdserve.router.api.app import create_app
+from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.api.structured import structured_output_of
+from pdserve.router.api.unsupported import NOT_IMPLEMENTED
+from pdserve.router.api.validation import plan_chat, plan_completion
 from pdserve.wire.limits import MAX_CHOICES, MAX_JSON_SCHEMA_DEPTH
 from tests.router.unlooped import unlooped_router_config
 

@@ -1,4 +1,4 @@
-"""`GET /v1/models/{id}`, `POST /tokenize` and `POST /detokenize` (router/tokenization.py):
+"""`GET /v1/models/{id}`, `POST /tokenize` and `POST /detokenize` (router/api/tokenization.py):
 vLLM's shapes, answers equal to the tokenizer's, inputs bounded and refused by field name."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
 from tests.router.test_validation import assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
 

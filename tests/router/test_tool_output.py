@@ -12,10 +12,10 @@ import re
 import httpx
 import pytest
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
+from pdserve.router.api.tool_output import ToolCallOutput
+from pdserve.router.api.tools import ToolMode, ToolPlan
 from pdserve.router.config import RouterConfig
-from pdserve.router.tool_output import ToolCallOutput
-from pdserve.router.tools import ToolMode, ToolPlan
 from pdserve.wire.messages import Generate, NodeStats, TokenBatch, TokenUpdate, decode, encode
 from tests.router.test_streaming import ScriptedNode, sse_payloads
 from tests.router.test_tools import TOOLS, WEATHER

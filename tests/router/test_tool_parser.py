@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdserve.router.tool_parser import HermesParser, ParsedCall, parse_call, parse_text
+from pdserve.router.api.tool_parser import HermesParser, ParsedCall, parse_call, parse_text
 
 NAMES = {"get_weather", "add"}
 PARIS = ParsedCall("get_weather", '{"city": "Paris"}')

@@ -10,10 +10,9 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
-from pdserve.router.config import RouterConfig
-from pdserve.router.schemas import ChatCompletionRequest
-from pdserve.router.tools import (
+from pdserve.router.api.app import create_app
+from pdserve.router.api.schemas import ChatCompletionRequest
+from pdserve.router.api.tools import (
     MAX_TOOLS,
     NO_PARAMETERS,
     TOOLS_INSTRUCTION,
@@ -23,7 +22,8 @@ from pdserve.router.tools import (
     forced_spec,
     template_input,
 )
-from pdserve.router.validation import plan_chat
+from pdserve.router.api.validation import plan_chat
+from pdserve.router.config import RouterConfig
 from pdserve.text.tokenizer import load_tokenizer
 from tests.router.unlooped import unlooped_router_config
 from tests.text.test_chat_template_tools import HERMES_TEMPLATE, PLAIN_TEMPLATE

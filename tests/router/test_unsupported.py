@@ -9,8 +9,8 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
-from pdserve.router.unsupported import (
+from pdserve.router.api.app import create_app
+from pdserve.router.api.unsupported import (
     MAX_LOGGED_NAME_CHARS,
     NOT_IMPLEMENTED,
     UnknownFieldLog,
@@ -99,7 +99,7 @@ def test_a_neutral_or_informational_value_is_accepted(client, route, name, value
     assert r.status_code == 503, r.text  # past validation: no node is alive
 
 
-# implemented since (router/echo.py): past validation on the routes that take them
+# implemented since (router/api/echo.py): past validation on the routes that take them
 IMPLEMENTED = [
     (COMPLETION, "echo", True),
     (COMPLETION, "prompt_logprobs", 0),
@@ -161,7 +161,7 @@ def test_tool_calls_and_tool_messages_in_the_history_are_accepted(client):
 
 
 def test_unknown_fields_are_accepted_with_one_warning_per_name(client, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.router.unsupported")
+    caplog.set_level(logging.WARNING, logger="pdserve.router.api.unsupported")
     for _ in range(3):
         r = post(client, COMPLETION, frobnicate_once=1, other_unknown_field=[1])
         assert r.status_code == 503, r.text
@@ -172,13 +172,13 @@ def test_unknown_fields_are_accepted_with_one_warning_per_name(client, caplog):
 
 
 def test_a_chat_only_field_on_completions_is_unknown(client, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.router.unsupported")
+    caplog.set_level(logging.WARNING, logger="pdserve.router.api.unsupported")
     assert post(client, COMPLETION, max_completion_tokens=3).status_code == 503
     assert any("'max_completion_tokens'" in rec.getMessage() for rec in caplog.records)
 
 
 def test_the_unknown_field_log_is_bounded_in_names_and_length(caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.router.unsupported")
+    caplog.set_level(logging.WARNING, logger="pdserve.router.api.unsupported")
     log = UnknownFieldLog(max_names=3)
     log.note("/r", [f"field_{i}" for i in range(1000)])
     log.note("/r", ["x" * 100_000, "late\n\x00name"])

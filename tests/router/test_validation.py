@@ -12,10 +12,10 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from pdserve.router.app import create_app
+from pdserve.router.api.app import create_app
+from pdserve.router.api.schemas import CompletionRequest
+from pdserve.router.api.validation import plan_completion
 from pdserve.router.config import RouterConfig
-from pdserve.router.schemas import CompletionRequest
-from pdserve.router.validation import plan_completion
 from tests.router.unlooped import node_stats, unlooped_router_config
 
 MODEL = "tiny"

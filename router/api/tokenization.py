@@ -6,12 +6,12 @@
   /detokenize  {"model", "tokens"} -> {"prompt"}
 
 Bounded like the completions routes: the body's size, the model (404), fields pdserve does not
-implement and unknown fields (router/unsupported.py; e.g. `add_generation_prompt: false`
+implement and unknown fields (router/api/unsupported.py; e.g. `add_generation_prompt: false`
 is refused: the chat template always ends with the assistant's turn header), the prompt's
 characters against the context (400, before tokenizing), token ids within the tokenizer's
 vocabulary (400 naming `tokens`). Tokenizing and decoding run in the app's worker threads,
 never on the event loop, each holding one place in the router's admission queue meanwhile
-(429 first, before the body is read, when the queue is full: router/overload_gate.py).
+(429 first, before the body is read, when the queue is full: router/api/overload_gate.py).
 `/tokenize` needs a live node for `max_model_len` (503 otherwise); `/detokenize` needs none.
 """
 
@@ -21,12 +21,12 @@ from typing import Any
 
 from fastapi import Request
 
-from pdserve.router.body import read_json_object
+from pdserve.router.api.body import read_json_object
+from pdserve.router.api.routes import parse_request
+from pdserve.router.api.schemas import DetokenizeRequest, TokenizeRequest
+from pdserve.router.api.validation import chat_prompt, check_model
 from pdserve.router.errors import invalid
-from pdserve.router.routes import parse_request
-from pdserve.router.schemas import DetokenizeRequest, TokenizeRequest
 from pdserve.router.state import RouterState
-from pdserve.router.validation import chat_prompt, check_model
 
 
 async def tokenize(request: Request) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """The periodic stats line, one per node, like vLLM's: every `interval_s` (5 s by default), for
 each node that had traffic since its previous line (its token counters moved, or it has
-requests running or waiting), at INFO (logger `pdserve.router.stats_log`):
+requests running or waiting), at INFO (logger `pdserve.router.cluster.stats_log`):
 
     node n0 (colocated): Avg prompt throughput: 812.4 tokens/s, Avg generation throughput:
     95.1 tokens/s, Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 12.5%, Prefix cache hit
     rate: 40.0%
 
 It lives in the router, not in the node loop: the router already receives every node's NodeStats
-(router/node_registry.py), of every role and host, so one log shows the whole deployment in one
+(router/cluster/node_registry.py), of every role and host, so one log shows the whole deployment in one
 clock, and the nodes' step loops keep no timer for it. The cost: a node's counters are as of its
 latest NodeStats (sent between steps and at every heartbeat, 0.5 s), so a rate is exact to
 about that over the interval. Prompt throughput counts the prompt tokens the node computed

@@ -11,7 +11,7 @@ request): the node is asked for one token, which the router drops: the text is t
 in `usage`; OpenAI, and this server, do not).
 
 `prompt_logprobs` (vLLM's; completions and chat) returns the prompt's scores in vLLM's shape
-(router/logprobs.py): on each choice for completions, on the response for chat. Not while
+(router/api/logprobs.py): on each choice for completions, on the response for chat. Not while
 streaming: vLLM refuses a positive value with `stream`; this server refuses any, so nothing
 asked for is silently left out.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.api.prompts import PromptInput
 from pdserve.router.errors import invalid
-from pdserve.router.prompts import PromptInput
 from pdserve.wire.limits import MAX_PROMPT_LOGPROBS_TOKENS
 
 

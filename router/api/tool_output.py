@@ -1,8 +1,8 @@
 """Tool calls, the answer side: a chat choice's text turned into OpenAI's `tool_calls`, in one
 message or as stream deltas, by one reader per choice chosen by `tool_choice`
-(router/tools.py says what each asks of the model):
+(router/api/tools.py says what each asks of the model):
 
-  HermesCalls (auto)     Hermes-style tags parsed as the text streams (router/tool_parser.py);
+  HermesCalls (auto)     Hermes-style tags parsed as the text streams (router/api/tool_parser.py);
                          the text outside them is content.
   ForcedNamed            the whole output is the named function's arguments: the call's id,
                          type and name go first, then the arguments as they are generated.
@@ -24,8 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.router.tool_parser import HermesParser, ParsedCall
-from pdserve.router.tools import ToolMode, ToolPlan
+from pdserve.router.api.tool_parser import HermesParser, ParsedCall
+from pdserve.router.api.tools import ToolMode, ToolPlan
 
 
 def new_call_id() -> str:

@@ -1,8 +1,8 @@
 """Builds the HTTP answer of a running `Generation`: one JSON body, or an SSE stream of
 chunks ending in `data: [DONE]`, for the completions and the chat completions API. With `echo`
 a choice's first event (its first chunk, when streaming) carries its prompt's text and, with
-`logprobs`, the prompt's logprobs before the output's (router/echo.py). A chat with tools has
-its choices' text read for tool calls (router/tool_output.py): `message.tool_calls`, or
+`logprobs`, the prompt's logprobs before the output's (router/api/echo.py). A chat with tools has
+its choices' text read for tool calls (router/api/tool_output.py): `message.tool_calls`, or
 `delta.tool_calls` entries, instead of content."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.router import schemas
+from pdserve.router.api import schemas
+from pdserve.router.api.logprobs import LogprobFormatter, merge_completion
+from pdserve.router.api.sse import DONE, sse
+from pdserve.router.api.tool_output import ToolCallOutput
 from pdserve.router.errors import APIError
 from pdserve.router.generation import ChoiceEvent, Generation
-from pdserve.router.logprobs import LogprobFormatter, merge_completion
-from pdserve.router.sse import DONE, sse
-from pdserve.router.tool_output import ToolCallOutput
 
 logger = logging.getLogger(__name__)
 

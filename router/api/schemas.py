@@ -5,9 +5,9 @@ validation error that `errors.validation_error` turns into a 400. Range checks t
 router's settings or the node's limits live in `validation.py`, which bounds every number.
 Strings are bounded by the body size; `user` (accepted, unused) and the `stop` strings (in
 validation.py: the router matches them against every token's text) also by a length of their
-own. The models hold the implemented fields only and ignore the others: router/unsupported.py
+own. The models hold the implemented fields only and ignore the others: router/api/unsupported.py
 refuses the known ones pdserve does not implement and warns about unknown ones. A completions
-`prompt` is one of OpenAI's four forms, told apart in router/prompts.py. Responses are plain
+`prompt` is one of OpenAI's four forms, told apart in router/api/prompts.py. Responses are plain
 dicts.
 """
 
@@ -47,17 +47,17 @@ class _CommonParams(_Request):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)  # lower is served first
     skip_special_tokens: bool = True
-    # the next-token distribution (router/sampling.py)
+    # the next-token distribution (router/api/sampling.py)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = None
-    # the prompt's scores (router/echo.py); `echo` is refused on chat
+    # the prompt's scores (router/api/echo.py); `echo` is refused on chat
     echo: bool = False
     prompt_logprobs: int | None = None
-    # structured output, read by router/structured.py
+    # structured output, read by router/api/structured.py
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -67,7 +67,7 @@ class _CommonParams(_Request):
 
 
 class CompletionRequest(_CommonParams):
-    prompt: str | list[Any]  # text, token ids, or a list of either (router/prompts.py)
+    prompt: str | list[Any]  # text, token ids, or a list of either (router/api/prompts.py)
     logprobs: int | None = None
 
 
@@ -88,11 +88,11 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
-    # "function" parses, to be refused by name (router/unsupported.py)
+    # "function" parses, to be refused by name (router/api/unsupported.py)
     role: Literal["system", "user", "assistant", "tool", "function", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's calls (router/tools.py)
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (router/api/tools.py)
     tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
@@ -108,14 +108,14 @@ class ChatCompletionRequest(_CommonParams):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # tool calls, read by router/tools.py
+    # tool calls, read by router/api/tools.py
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Request):
-    """vLLM's /tokenize: `prompt`, or `messages` (router/tokenization.py)."""
+    """vLLM's /tokenize: `prompt`, or `messages` (router/api/tokenization.py)."""
 
     model: str | None = None
     prompt: str | None = None

@@ -1,19 +1,19 @@
 """The router's HTTP handlers, plain functions that find their app's state as
-`request.app.state.router` (router/state.py); `create_app` (router/app.py) registers them.
+`request.app.state.router` (router/state.py); `create_app` (router/api/app.py) registers them.
 
 Request flow of the completions routes: admission queue full, or every node that could
 compute the prompt already past the queue-delay bound, counting the requests still being read
 and tokenized (429, before any parsing or tokenization, and before FastAPI routes the request:
-router/overload_gate.py) -> read the body (413/400; the server bounds how long it may take) -> validate
-(400: types, then parameters not implemented, router/unsupported.py; unknown fields logged)
+router/api/overload_gate.py) -> read the body (413/400; the server bounds how long it may take) -> validate
+(400: types, then parameters not implemented, router/api/unsupported.py; unknown fields logged)
 -> model (404) -> (chat) prompt characters vs. context (400, without tokenizing:
 `max_chars_per_token`) -> in a worker thread, never on the event loop: parameter checks and
 the prompts' forms and number (400) -> a live node (503) -> (completions) each prompt's
 characters vs. context -> chat template and tokenizing -> prompt ids vs. vocabulary and
-context (400) -> back on the loop: draining after SIGTERM (503, router/drain.py) -> prompt and
+context (400) -> back on the loop: draining after SIGTERM (503, router/api/drain.py) -> prompt and
 completion vs. the largest live KV cache (400: it could never be served) -> admission queue
 bounds (429) -> submit prompts x n sub-requests -> JSON or SSE answer. A client that goes away gets
-every sub-request aborted; so does a stream whose client stops reading (router/sse.py,
+every sub-request aborted; so does a stream whose client stops reading (router/api/sse.py,
 router/generation.py).
 """
 
@@ -27,22 +27,22 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from pdserve.router.access_log import request_record
-from pdserve.router.body import read_json_object
-from pdserve.router.errors import APIError, at_request_end, error_body, validation_error
-from pdserve.router.generation import Generation
-from pdserve.router.responses import Responder
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.sse import EventStreamResponse
-from pdserve.router.state import RouterState
-from pdserve.router.unsupported import check_not_implemented, known_fields, unknown_fields
-from pdserve.router.validation import (
+from pdserve.router.api.access_log import request_record
+from pdserve.router.api.body import read_json_object
+from pdserve.router.api.responses import Responder
+from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.api.sse import EventStreamResponse
+from pdserve.router.api.unsupported import check_not_implemented, known_fields, unknown_fields
+from pdserve.router.api.validation import (
     Plan,
     check_kv_capacity,
     check_model,
     plan_chat,
     plan_completion,
 )
+from pdserve.router.errors import APIError, at_request_end, error_body, validation_error
+from pdserve.router.generation import Generation
+from pdserve.router.state import RouterState
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def parse_request(
     state: RouterState, model: type[BaseModel], data: dict[str, Any], route: str
 ) -> Any:
     """The parsed request of any route; 400 for a wrong type or a parameter pdserve does not
-    implement, a warning (once per name) for an unknown field (router/unsupported.py)."""
+    implement, a warning (once per name) for an unknown field (router/api/unsupported.py)."""
     req = _parse(model, data)
     check_not_implemented(data)
     state.unknown_fields.note(route, unknown_fields(data, known_fields(model)))

@@ -10,7 +10,7 @@ sent the previous process. Its role (colocated, prefill, decode) comes from its 
 Liveness: slow is not dead. A node is down when its process is gone or when it has made no
 progress for `node_timeout_s` (default 30 s), never because one heartbeat came late:
   - process gone: the router's connection to the node closed (`connection_changed`, from the
-    socket monitor of router/node_links.py). A process that exits, however it dies, closes it
+    socket monitor of router/cluster/node_links.py). A process that exits, however it dies, closes it
     at once, so a killed node is down within one watchdog round, whatever the timeout;
   - no progress: neither NodeStats nor Heartbeats (sent from a thread of their own every 0.5 s
     by default, during long engine steps too) arrived for `node_timeout_s`. The node stops its
@@ -21,7 +21,7 @@ progress for `node_timeout_s` (default 30 s), never because one heartbeat came l
     must not fail the streams it serves; a process that is really gone is caught by its
     connection long before.
 `sweep()` notes each change of liveness (one log line each); the watchdog calls it on time and
-skips a round that itself ran late (router/node_client.py): after a stall of the router's own
+skips a round that itself ran late (router/cluster/node_client.py): after a stall of the router's own
 event loop, the heartbeats that queued meanwhile are read first (the socket takes one message
 from each node in turn), so the router's stall is never blamed on its nodes.
 `live()`, which routing and /health read between sweeps, counts a node whose connection is open

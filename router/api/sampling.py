@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.errors import APIError, invalid
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.wire.limits import INT32_MAX
 from pdserve.wire.sampling_params import SamplingError, SamplingParams
 

@@ -5,15 +5,16 @@ tokenized.
 
 Under a burst most requests are refused, so a refusal's cost is what bounds how fast the router
 answers them all: here it is a path lookup and the admission checks, not FastAPI's routing,
-dependency solving and exception handlers. The checks, by path (POST only):
+dependency solving and exception handlers. Both refusals live in router/cluster/admission.py.
+The checks, by path (POST only):
   /v1/completions, /v1/chat/completions
         the admission queue at one of its bounds (`AdmissionQueue.check_room`), or every node
         that could compute the prompt past the queue-delay bound, counting the requests still
-        being read and tokenized (`NodeClient.check_overload`)
+        being read and tokenized (`NodeClient.check_overload`, through `QueueDelayBound`)
   /tokenize, /detokenize
         the admission queue at one of its bounds
 Any other request passes untouched; so does one that passes its checks, and its route takes it
-from there (router/routes.py).
+from there (router/api/routes.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The router's client for the nodes: sends Generate and Abort, receives tokens and stats, and
 moves each request through its lifecycle. It glues the node registry (which nodes exist and
-are alive, router/node_registry.py), the links (sockets, router/node_links.py), the routing
-choices (router/routing.py, router/queue_delay.py) and the in-flight table
-(router/inflight.py).
+are alive, router/cluster/node_registry.py), the links (sockets, router/cluster/node_links.py), the routing
+choices (router/cluster/routing.py, router/cluster/queue_delay.py) and the in-flight table
+(router/cluster/inflight.py).
 
 With live decode nodes a request is disaggregated: Generate goes to a decode node naming the
 prefill node that computes the prompt; aborts go to both. Otherwise a colocated node serves it.
@@ -10,8 +10,8 @@ prefill node that computes the prompt; aborts go to both. Otherwise a colocated 
 Lifecycle of a request (each state with what ends it and its deadline):
 - submitted: `submit()` picks the serving node and, for a decode node, a prefill node. No live
   node: LookupError. Early refusal: a prompt that would wait longer than `max_queue_delay_s` at
-  the node that computes it (router/queue_delay.py) is refused with 429 before anything is
-  sent. Otherwise Generate is sent and the request is waiting.
+  the node that computes it (router/cluster/queue_delay.py) is refused with 429 before anything
+  is sent (`QueueDelayBound`, router/cluster/admission.py). Otherwise Generate is sent and the request is waiting.
 - waiting (sent, no token back yet; in the prompt queue of the node computing it): its first
   token makes it started; it is lost when a node it needs stops responding (no heartbeat for
   `node_timeout_s`, seen by the watchdog within `WATCHDOG_INTERVAL_S`), is restarted, or
@@ -20,7 +20,7 @@ Lifecycle of a request (each state with what ends it and its deadline):
 - started (tokens flow to the client in output order): its finishing token ends it. It is lost
   when its decode (or colocated) node stops responding (`node_timeout_s`), is restarted or
   answers 503; a client that reads nothing for `stream_stall_timeout_s` is aborted
-  (router/sse.py, router/generation.py).
+  (router/api/sse.py, router/generation.py).
   In either state an abort, or a RequestFailed other than 503, ends it.
 - lost: the retry policy. While no token of it has reached the client, a lost request is
   aborted on its nodes and sent again under a new wire id (`<id>~<attempt>`, so nothing of the
@@ -48,12 +48,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pdserve.router.errors import APIError
-from pdserve.router.inflight import InFlight, InFlightTable
-from pdserve.router.node_links import NodeLinks
-from pdserve.router.node_registry import NodeRegistry, NodeState
-from pdserve.router.queue_delay import PromptQueues, QueueDelay
-from pdserve.router.routing import PrefillRouter, pick_decode_node
+from pdserve.router.cluster.admission import QueueDelayBound
+from pdserve.router.cluster.inflight import InFlight, InFlightTable
+from pdserve.router.cluster.node_links import NodeLinks
+from pdserve.router.cluster.node_registry import NodeRegistry, NodeState
+from pdserve.router.cluster.queue_delay import PromptQueues
+from pdserve.router.cluster.routing import PrefillRouter, pick_decode_node
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import (
     Choice,
@@ -102,6 +102,7 @@ class NodeClient:
         self.num_arriving = 0  # requests between their admission checks and their submit
         self.prefill_router = prefill_router or PrefillRouter(self.prompt_queues)
         self.max_queue_delay_s = max_queue_delay_s
+        self.queue_delay_bound = QueueDelayBound(max_queue_delay_s, self.prompt_queues, clock)
         self.max_retries = max_retries
         self.inflight = InFlightTable(self.prompt_queues, clock)
         self._tasks: list[asyncio.Task] = []
@@ -203,7 +204,7 @@ class NodeClient:
         }
         first_id, first = next(iter(entries.items()))
         prefill, computing, num_tokens = self._route(first, node)
-        self._check_queue_delay(computing, num_tokens)
+        self.queue_delay_bound.check_node(computing, num_tokens)
         if len(entries) == 1:
             self._send(first, first_id, first_id, node, prefill, computing, num_tokens)
         else:
@@ -248,12 +249,7 @@ class NodeClient:
         if node is None:
             return  # no bound, or no node: the route answers 503 later
         candidates = self.registry.live(Role.PREFILL) if node.role == Role.DECODE else [node]
-        now = self.clock()
-        ahead = round(self.num_arriving * self.prompt_queues.mean_tokens / max(len(candidates), 1))
-        delays = [(self.prompt_queues.delay(n, ahead, now), n) for n in candidates]
-        if delays and all(d is not None and d.seconds > self.max_queue_delay_s for d, _ in delays):
-            delay, least_loaded = min(delays, key=lambda pair: pair[0].seconds)
-            raise self._overloaded(least_loaded, delay)
+        self.queue_delay_bound.check_nodes(candidates, self.num_arriving)
 
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
@@ -264,21 +260,6 @@ class NodeClient:
             yield
         finally:
             self.num_arriving -= 1
-
-    def _check_queue_delay(self, node: NodeState, num_tokens: int) -> None:
-        if self.max_queue_delay_s is None:
-            return
-        delay = self.prompt_queues.delay(node, num_tokens, self.clock())
-        if delay is not None and delay.seconds > self.max_queue_delay_s:
-            raise self._overloaded(node, delay)
-
-    def _overloaded(self, node: NodeState, delay: QueueDelay) -> APIError:
-        return APIError(
-            429,
-            f"The server is overloaded: {delay.describe(node)}, more than the "
-            f"{self.max_queue_delay_s:g} s a request may wait to start. Try again later.",
-            code="rate_limit_exceeded",
-        )
 
     def _send(
         self,

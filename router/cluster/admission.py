@@ -15,15 +15,21 @@ Each admitted sub-request leaves the queue once (`leave`) at its first token, it
 abort, whichever comes first. `/tokenize` and `/detokenize` pass the same checks and hold one
 place while their tokenizer job runs (`holding`), so they cannot flood the tokenizer threads
 past the bounds generation requests keep. The bounds are read from the config at every check.
+
+The router's other 429, the queue-delay bound, lives here too (`QueueDelayBound`): NodeClient
+asks it before a request is read (`check_nodes`, through `NodeClient.check_overload`) and at
+submit, for the node that computes the prompt (`check_node`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.queue_delay import PromptQueues, QueueDelay
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError
 
@@ -100,5 +106,49 @@ class AdmissionQueue:
             429,
             f"The server is overloaded: {what} (limits: {config.max_queued_requests:,} requests, "
             f"{config.max_queued_tokens:,} prompt tokens). Try again later.",
+            code="rate_limit_exceeded",
+        )
+
+
+class QueueDelayBound:
+    """429 for a prompt whose predicted queue delay (router/cluster/queue_delay.py) exceeds
+    `max_queue_delay_s`; no bound when it is None."""
+
+    def __init__(
+        self,
+        max_queue_delay_s: float | None,
+        prompt_queues: PromptQueues,
+        clock: Callable[[], float],
+    ) -> None:
+        self.max_queue_delay_s = max_queue_delay_s
+        self.prompt_queues = prompt_queues
+        self.clock = clock
+
+    def check_nodes(self, candidates: list[NodeState], num_arriving: int) -> None:
+        """429 when every candidate node predicts a delay past the bound for the requests
+        ahead: those queued there, and `num_arriving` more, each counted as the mean prompt of
+        recent submits, spread over the candidates."""
+        if self.max_queue_delay_s is None:
+            return
+        now = self.clock()
+        ahead = round(num_arriving * self.prompt_queues.mean_tokens / max(len(candidates), 1))
+        delays = [(self.prompt_queues.delay(n, ahead, now), n) for n in candidates]
+        if delays and all(d is not None and d.seconds > self.max_queue_delay_s for d, _ in delays):
+            delay, least_loaded = min(delays, key=lambda pair: pair[0].seconds)
+            raise self._overloaded(least_loaded, delay)
+
+    def check_node(self, node: NodeState, num_tokens: int) -> None:
+        """429 when `node` predicts a delay past the bound for a prompt of `num_tokens`."""
+        if self.max_queue_delay_s is None:
+            return
+        delay = self.prompt_queues.delay(node, num_tokens, self.clock())
+        if delay is not None and delay.seconds > self.max_queue_delay_s:
+            raise self._overloaded(node, delay)
+
+    def _overloaded(self, node: NodeState, delay: QueueDelay) -> APIError:
+        return APIError(
+            429,
+            f"The server is overloaded: {delay.describe(node)}, more than the "
+            f"{self.max_queue_delay_s:g} s a request may wait to start. Try again later.",
             code="rate_limit_exceeded",
         )

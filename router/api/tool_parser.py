@@ -1,6 +1,6 @@
 """Hermes-style tool calls in a model's text: `<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`, the format of Qwen2.5, Qwen3 and the Hermes models, and the one pdserve asks
-for where a template has no format of its own (router/tools.py).
+for where a template has no format of its own (router/api/tools.py).
 
 `HermesParser` reads the text as it streams and hands back pieces in order: text (content)
 and `ParsedCall`s. Text is held back only while it may still be the start of an opening tag,

@@ -1,4 +1,4 @@
-"""The request id, and one access line per HTTP request (INFO, logger `pdserve.router.access_log`).
+"""The request id, and one access line per HTTP request (INFO, logger `pdserve.router.api.access_log`).
 
 `AccessLog` is the app's outermost middleware. The request id is the client's `x-request-id`
 header when it is 1 to 128 characters of `A-Z a-z 0-9 . _ : @ / + = -`; anything else (absent,
@@ -44,7 +44,7 @@ CLIENT_CLOSED_REQUEST = 499
 @dataclass
 class RequestRecord:
     """What the access line reports of one request; a route that runs a generation sets
-    `generation` (router/routes.py)."""
+    `generation` (router/api/routes.py)."""
 
     request_id: str
     arrived_at: float

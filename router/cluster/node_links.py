@@ -4,7 +4,7 @@ Each node known to the registry gets a PUSH socket (`NodeState.socket`): a plain
 zmq socket, so an Abort is a plain call that works even inside a cancelled task's `finally`.
 A monitor on that socket reports its TCP connection to the node opening and closing
 (`connection_changes()`): a node process that exits, killed or not, closes it at once, which is
-how the router tells a dead node from a slow one (router/node_registry.py).
+how the router tells a dead node from a slow one (router/cluster/node_registry.py).
 Everything the nodes send (token batches, failures, stats, heartbeats) arrives on one PULL
 socket bound at the router's listen address (zmq.asyncio); `receive()` hands over its raw
 frames, and the node client decodes them.
@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.router.node_registry import NodeState
+from pdserve.router.cluster.node_registry import NodeState
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import Abort, Generate, encode
 

@@ -15,7 +15,7 @@ argument the nodes take (wire/structured_output.py lists its forms).
   guided_regex / guided_choice / guided_grammar        {"regex" | "choice" | "grammar": value}
 
 A request asks for at most one of them (400 naming the second, in the order above); tool
-calls forced by `tool_choice` (router/tools.py) are one more. The shape and sizes are checked
+calls forced by `tool_choice` (router/api/tools.py) are one more. The shape and sizes are checked
 by `check_structured_output`, its errors renamed to the API field (`response_format.json_schema
 .schema`); whether a schema, regex or grammar compiles is found out by the node (a 400 too).
 vLLM's options that only tune its own backends (`disable_fallback`, `disable_any_whitespace`)
@@ -28,9 +28,9 @@ import json
 import re
 from typing import Any
 
+from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.api.tools import ToolPlan, forced_spec
 from pdserve.router.errors import invalid
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.tools import ToolPlan, forced_spec
 from pdserve.wire.structured_output import check_structured_output
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -153,7 +153,7 @@ def _checked(spec: Spec, field: str) -> Spec:
 
 def output_spec(req: Request, tools: ToolPlan | None = None) -> Spec | None:
     """The one structured_output spec a request's choices are sent with: the forced tool
-    call(s) of `tools` (router/tools.py) or the request's own structured output fields."""
+    call(s) of `tools` (router/api/tools.py) or the request's own structured output fields."""
     asked = structured_output_of(req)
     forced = forced_spec(tools) if tools is not None else None
     if forced is None:

@@ -1,6 +1,6 @@
 """How many characters of text one token can stand for, read from a tokenizer's own
 description, so the router can refuse a prompt that can never fit the context without
-tokenizing it (router/routes.py checks it on the event loop; tokenizing runs in a thread)."""
+tokenizing it (router/api/routes.py checks it on the event loop; tokenizing runs in a thread)."""
 
 from __future__ import annotations
 

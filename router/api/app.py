@@ -1,7 +1,7 @@
 """The router's FastAPI app: `create_app(config)` builds everything (tokenizer, node client,
 metrics; router/state.py) per app; nothing is module-global.
 
-Routes (handlers in router/routes.py and router/tokenization.py): POST /v1/completions,
+Routes (handlers in router/api/routes.py and router/api/tokenization.py): POST /v1/completions,
 POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model_id}, POST /tokenize,
 POST /detokenize, GET /health, GET /metrics.
 
@@ -9,8 +9,8 @@ Every request runs behind `access_log.AccessLog` (its request id, `x-request-id`
 access line) and, inside it, `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
 on a connection that stays usable, and a generation is closed (its admission places and node
 sub-requests given back) when its request ends, however it ends. Inside it runs the API-key
-check (router/auth.py), and inside that the early refusals under overload
-(router/overload_gate.py), before FastAPI routes the request.
+check (router/api/auth.py), and inside that the early refusals under overload
+(router/api/overload_gate.py), before FastAPI routes the request.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from pdserve.router import routes, tokenization
-from pdserve.router.access_log import AccessLog
-from pdserve.router.auth import APIKeyMiddleware
+from pdserve.router.api import routes, tokenization
+from pdserve.router.api.access_log import AccessLog
+from pdserve.router.api.auth import APIKeyMiddleware
+from pdserve.router.api.overload_gate import OverloadGate
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import RequestGuard, install_error_handlers
-from pdserve.router.overload_gate import OverloadGate
 from pdserve.router.state import RouterState
 
 

@@ -1,12 +1,12 @@
 """Tool calls, the request side: OpenAI's `tools` and `tool_choice` checked and bounded, the
 tools and the history's calls put in the chat template, and the grammar that forces a call.
 
-What each `tool_choice` does (router/tool_output.py turns the output into `tool_calls`):
+What each `tool_choice` does (router/api/tool_output.py turns the output into `tool_calls`):
 
   none, or no tools    the tools are neither shown to the model nor parsed: a plain answer.
   auto (the default    the tools are shown; the model answers freely; Hermes-style calls,
   with tools)          `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, are parsed
-                       out of its text (router/tool_parser.py), the rest stays content.
+                       out of its text (router/api/tool_parser.py), the rest stays content.
   required             forced by a json_schema: a list of one or more calls, each
                        `{"name": <one of the tools>, "arguments": <its parameters>}`
                        (one call, no list, with `parallel_tool_calls: false`).
@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.api.schemas import ChatCompletionRequest, ChatMessage
 from pdserve.router.errors import invalid
-from pdserve.router.schemas import ChatCompletionRequest, ChatMessage
 from pdserve.wire.structured_output import check_structured_output
 
 MAX_TOOLS = 128

@@ -1,7 +1,7 @@
 """The prompts of a completions request. `prompt` takes OpenAI's four forms: a string, a list
 of token ids, a list of strings, or a list of token-id lists. The last two are a batch: each
 prompt gets `n` choices, and choice `i` of prompt `p` is answered as index `p * n + i`, as
-OpenAI does (router/validation.py builds them into one `Plan`).
+OpenAI does (router/api/validation.py builds them into one `Plan`).
 
 `split_prompts` tells the forms apart and names each prompt for the errors about it: `prompt`
 when there is one, `prompt[i]` in a batch. A list that mixes forms, or holds anything but

@@ -3,17 +3,17 @@
 Never silent: a known OpenAI or vLLM parameter that pdserve does not implement is a 400 naming
 it, unless it holds its neutral value (the one that leaves the output as if it were absent:
 `length_penalty: 1`, `functions: []`, null). `NOT_IMPLEMENTED` is the one table of them;
-implementing a parameter means adding it to router/schemas.py and removing its entry here.
+implementing a parameter means adding it to router/api/schemas.py and removing its entry here.
 The chat history is held to the same rule: the legacy function messages, and assistant
 messages that carry a `function_call`, are refused naming `messages[i].<field>` (tool messages
-and `tool_calls` are implemented, router/tools.py).
+and `tool_calls` are implemented, router/api/tools.py).
 
 Fields that only describe the request (`INFORMATIONAL`) are accepted. Any other field is
 unknown: accepted, as vLLM does, with one warning per field name (`UnknownFieldLog`, one per
 app: at most `MAX_WARNED_NAMES` names, each cut to `MAX_LOGGED_NAME_CHARS`, so a client
 sending random names grows neither memory nor the log without bound).
 
-Order in a route: pydantic parses the body (types of the implemented fields, router/schemas.py,
+Order in a route: pydantic parses the body (types of the implemented fields, router/api/schemas.py,
 which ignores extra fields), then `check_not_implemented(body)`, then `unknown_fields`.
 """
 

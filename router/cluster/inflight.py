@@ -1,10 +1,10 @@
 """The requests in flight on the nodes, as the router's node client tracks them: which nodes
 serve each, the id the nodes know it by, and its token updates put back in output order.
 
-A request is tracked from `add()` (once its Generate was sent, router/node_client.py) until
+A request is tracked from `add()` (once its Generate was sent, router/cluster/node_client.py) until
 `forget()`: its last token was delivered, it failed, or it was aborted. Until its first token
 is delivered (`started`) it waits in the prompt queue of the node computing its prompt
-(router/queue_delay.py); the table takes it out of that queue when it starts, when its attempt
+(router/cluster/queue_delay.py); the table takes it out of that queue when it starts, when its attempt
 is given up, and when it is forgotten. While the node computes its prompt in chunks, the
 node's PromptProgress moves it from waiting to computing there (`progress`).
 
@@ -26,8 +26,8 @@ import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from pdserve.router.node_registry import NodeState
-from pdserve.router.queue_delay import PromptQueues
+from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.queue_delay import PromptQueues
 from pdserve.wire.messages import Generate, TokenUpdate
 
 
@@ -36,7 +36,7 @@ class InFlight:
     """A request sent to `node` (decode or colocated), and to `prefill` in disaggregated mode.
 
     Updates are delivered to `queue` in output order: one arriving ahead of `next_offset` waits
-    in `early`. A retry (router/node_client.py) sends `request` again under a new `wire_id`, the
+    in `early`. A retry (router/cluster/node_client.py) sends `request` again under a new `wire_id`, the
     id the nodes then know it by, avoiding the prefill nodes in `failed_prefills` when it can."""
 
     queue: asyncio.Queue

@@ -4,7 +4,7 @@ parameter; messages state the rule and the limit, not the client's input (contex
 errors state the token counts, as OpenAI's do).
 
 Every number a client sends is bounded before any arithmetic on it (the schema bounds
-`priority`): the sampling settings by building them (router/sampling.py: SamplingParams'
+`priority`): the sampling settings by building them (router/api/sampling.py: SamplingParams'
 construction is their one check), `n`, the stop strings and the prompts here, token ids
 against the vocabulary, the completion against the context. Text must be valid Unicode and
 whatever the tokenizer refuses is the client's 400.
@@ -16,14 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.router.api.echo import (
+    PromptScoring,
+    check_prompt_scoring,
+    check_scored_prompt,
+    echo_text,
+)
+from pdserve.router.api.prompts import PromptInput, check_num_choices, split_prompts
+from pdserve.router.api.sampling import choice_samplings, request_sampling
+from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.api.structured import output_spec
+from pdserve.router.api.tools import ToolPlan, check_tools, template_input
 from pdserve.router.config import RouterConfig
-from pdserve.router.echo import PromptScoring, check_prompt_scoring, check_scored_prompt, echo_text
 from pdserve.router.errors import APIError, invalid
-from pdserve.router.prompts import PromptInput, check_num_choices, split_prompts
-from pdserve.router.sampling import choice_samplings, request_sampling
-from pdserve.router.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.structured import output_spec
-from pdserve.router.tools import ToolPlan, check_tools, template_input
 from pdserve.wire.roles import Role
 from pdserve.wire.sampling_params import SamplingParams
 
@@ -38,10 +43,10 @@ CheckChars = Callable[[int, Limits, str], None]  # (characters, limits, param): 
 class Plan:
     """A validated request, ready to submit as `n` sub-requests (choices): `choices_per_prompt`
     for each prompt, in order, so choice `i` answers prompt `i // choices_per_prompt`.
-    `scoring` says what it asks about its prompts (router/echo.py): `echo_prompts` are the
+    `scoring` says what it asks about its prompts (router/api/echo.py): `echo_prompts` are the
     texts echoed, one per prompt, and `prompt_logprobs` the alternatives the client asked for
-    in its `prompt_logprobs` field. `tools`: the chat's tool calls (router/tools.py), which
-    router/tool_output.py reads out of each choice's text."""
+    in its `prompt_logprobs` field. `tools`: the chat's tool calls (router/api/tools.py), which
+    router/api/tool_output.py reads out of each choice's text."""
 
     prompts: list[list[int]]
     samplings: list[SamplingParams]

@@ -24,7 +24,8 @@ seen `MIN_DRAIN_TOKENS` start over `MIN_DRAIN_S` of busy time (a few short reque
 their latency, not the node's throughput), the speed is the one the node measured itself
 (NodeStats `prefill_tokens_per_s`, from its warm-up and its steps; 0 = not known, and then the
 backlog term is 0).
-`NodeClient.submit` refuses (429) a request whose predicted delay exceeds `max_queue_delay_s`,
+`NodeClient.submit` refuses (429, `QueueDelayBound` in router/cluster/admission.py) a request
+whose predicted delay exceeds `max_queue_delay_s`,
 before anything is sent, so under any burst a client is told no at once instead of after a
 deadline; a request into an empty queue is always admitted (a single long prompt is not
 overload). Retries of admitted requests are not judged again.
@@ -35,7 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from pdserve.router.node_registry import NodeState
+from pdserve.router.cluster.node_registry import NodeState
 
 DRAIN_HORIZON_S = 10.0
 MIN_DRAIN_S = 0.5

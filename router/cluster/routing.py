@@ -11,7 +11,7 @@
   Ties go to the node with less queued work, then to the one with the smaller index, so new
   prefixes spread over the nodes.
   Load balance: when the best-matching node has more than `imbalance_tokens` more uncached
-  prompt tokens queued (sent, first token not back yet; router/queue_delay.py keeps the
+  prompt tokens queued (sent, first token not back yet; router/cluster/queue_delay.py keeps the
   queues) than the least loaded one, the least loaded one gets the request.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdserve.router.node_registry import NodeState
-from pdserve.router.queue_delay import PromptQueues
+from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.queue_delay import PromptQueues
 
 
 def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:
