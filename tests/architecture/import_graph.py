@@ -1,8 +1,8 @@
 """The project's import graph as the architecture test sees it, written into docs/design.md
 ("Import graph") so a reader sees it without a tool: which package imports which of the
-project's packages, and which room of engine/ and of router/ imports which other rooms. Every import counts,
-including those inside functions. test_design_doc_shows_the_import_graph checks the document
-against the source; after a change of imports, rewrite it with
+project's packages, and which room of engine/ and of router/ imports which other rooms.
+Every import counts, including those inside functions. test_design_doc_shows_the_import_graph
+checks the document against the source; after a change of imports, rewrite it with
 
     python -m tests.architecture.import_graph --write
 

@@ -148,45 +148,28 @@ def rooms_imported(path: Path, package: Path) -> list[tuple[int, str]]:
     return found
 
 
-def engine_rooms_imported(path: Path) -> list[tuple[int, str]]:
-    """(line, room) of every import of a room of engine/."""
-    return rooms_imported(path, ENGINE)
+# The packages divided into rooms: their folder and each room's rule.
+ROOMS = {"engine": (ENGINE, ENGINE_ROOMS), "router": (ROUTER, ROUTER_ROOMS)}
 
 
-def router_rooms_imported(path: Path) -> list[tuple[int, str]]:
-    """(line, room) of every import of a room of router/."""
-    return rooms_imported(path, ROUTER)
+@pytest.mark.parametrize("package", sorted(ROOMS))
+def test_every_room_has_a_rule(package):
+    folder, rules = ROOMS[package]
+    rooms = {path.parent.name for path in folder.glob("*/__init__.py")}
+    assert rooms == set(rules), rooms ^ set(rules)
 
 
-def test_every_engine_room_has_a_rule():
-    rooms = {path.parent.name for path in ENGINE.glob("*/__init__.py")}
-    assert rooms == set(ENGINE_ROOMS), rooms ^ set(ENGINE_ROOMS)
-
-
-@pytest.mark.parametrize("room", sorted(ENGINE_ROOMS))
-def test_engine_room_imports_only_what_its_rule_allows(room):
-    allowed = ENGINE_ROOMS[room]
+@pytest.mark.parametrize(
+    ("package", "room"), [(package, room) for package in ROOMS for room in sorted(ROOMS[package][1])]
+)
+def test_room_imports_only_what_its_rule_allows(package, room):
+    folder, rules = ROOMS[package]
+    allowed = rules[room]
     broken = []
-    for path in sorted((ENGINE / room).rglob("*.py")):
-        for line, name in engine_rooms_imported(path):
+    for path in sorted((folder / room).rglob("*.py")):
+        for line, name in rooms_imported(path, folder):
             if allowed is not None and name not in allowed | {room}:
-                broken.append(f"{path.relative_to(ROOT)}:{line} imports engine/{name}")
-    assert not broken, "\n".join(broken)
-
-
-def test_every_router_room_has_a_rule():
-    rooms = {path.parent.name for path in ROUTER.glob("*/__init__.py")}
-    assert rooms == set(ROUTER_ROOMS), rooms ^ set(ROUTER_ROOMS)
-
-
-@pytest.mark.parametrize("room", sorted(ROUTER_ROOMS))
-def test_router_room_imports_only_what_its_rule_allows(room):
-    allowed = ROUTER_ROOMS[room]
-    broken = []
-    for path in sorted((ROUTER / room).rglob("*.py")):
-        for line, name in router_rooms_imported(path):
-            if allowed is not None and name not in allowed | {room}:
-                broken.append(f"{path.relative_to(ROOT)}:{line} imports router/{name}")
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports {package}/{name}")
     assert not broken, "\n".join(broken)
 
 
@@ -219,7 +202,7 @@ def test_the_engine_room_rules_catch_a_forbidden_import(tmp_path):
         "from pdserve.engine.sequence import Sequence\n"
         "def f():\n    from pdserve.engine.sched.scheduler import Scheduler\n"
     )
-    assert engine_rooms_imported(module) == [(3, "sched")]
+    assert rooms_imported(module, ENGINE) == [(3, "sched")]
     assert "sched" not in ENGINE_ROOMS["kv"]
 
 
@@ -229,7 +212,7 @@ def test_the_router_room_rules_catch_a_forbidden_import(tmp_path):
         "from pdserve.router.errors import APIError\n"
         "def f():\n    from pdserve.router.api.schemas import CompletionRequest\n"
     )
-    assert router_rooms_imported(module) == [(3, "api")]
+    assert rooms_imported(module, ROUTER) == [(3, "api")]
     assert "api" not in ROUTER_ROOMS["cluster"]
 
 
