@@ -51,9 +51,7 @@ async def completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
     with state.client.arriving():
-        data = await read_json_object(request, config.max_body_bytes)
-        req = parse_request(state, CompletionRequest, data, "/v1/completions")
-        check_model(req.model, config.model_names)
+        req = await read_request(request, state, CompletionRequest)
         plan = await state.tokenizer_threads.run(
             plan_completion, req, config, state.tokenizer, state.limits_now(),
             state.check_prompt_chars,
@@ -65,9 +63,7 @@ async def chat_completions(request: Request) -> Response:
     state: RouterState = request.app.state.router
     config = state.config
     with state.client.arriving():
-        data = await read_json_object(request, config.max_body_bytes)
-        req = parse_request(state, ChatCompletionRequest, data, "/v1/chat/completions")
-        check_model(req.model, config.model_names)
+        req = await read_request(request, state, ChatCompletionRequest)
         limits = state.limits_now()
         num_chars = sum(len(message.text()) for message in req.messages)
         state.check_prompt_chars(num_chars, limits, "messages")
@@ -124,14 +120,16 @@ def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
         raise validation_error(list(error.errors(include_input=False))) from None
 
 
-def parse_request(
-    state: RouterState, model: type[BaseModel], data: dict[str, Any], route: str
-) -> Any:
-    """The parsed request of any route; 400 for a wrong type or a parameter pdserve does not
-    implement, a warning (once per name) for an unknown field (router/api/unsupported.py)."""
+async def read_request(request: Request, state: RouterState, model: type[BaseModel]) -> Any:
+    """The request of any POST route, read and parsed: its body (413/400), then 400 for a
+    wrong type or a parameter pdserve does not implement, a warning (once per name) for an
+    unknown field (router/api/unsupported.py), and 404 for a model this server does not
+    serve."""
+    data = await read_json_object(request, state.config.max_body_bytes)
     req = _parse(model, data)
     check_not_implemented(data)
-    state.unknown_fields.note(route, unknown_fields(data, known_fields(model)))
+    state.unknown_fields.note(request.scope["path"], unknown_fields(data, known_fields(model)))
+    check_model(req.model, state.config.model_names)
     return req
 
 

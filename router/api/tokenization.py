@@ -21,19 +21,16 @@ from typing import Any
 
 from fastapi import Request
 
-from pdserve.router.api.body import read_json_object
-from pdserve.router.api.routes import parse_request
+from pdserve.router.api.routes import read_request
 from pdserve.router.api.schemas import DetokenizeRequest, TokenizeRequest
-from pdserve.router.api.validation import chat_prompt, check_model
+from pdserve.router.api.validation import chat_prompt
 from pdserve.router.errors import invalid
 from pdserve.router.state import RouterState
 
 
 async def tokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
-    data = await read_json_object(request, state.config.max_body_bytes)
-    req = parse_request(state, TokenizeRequest, data, "/tokenize")
-    check_model(req.model, state.config.model_names)
+    req = await read_request(request, state, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise invalid("Give either 'prompt' or 'messages'.", "prompt")
     if req.messages is not None and req.add_special_tokens:
@@ -77,9 +74,7 @@ def _tokenize(req: TokenizeRequest, tokenizer: Any) -> tuple[list[int], list[str
 
 async def detokenize(request: Request) -> dict[str, Any]:
     state: RouterState = request.app.state.router
-    data = await read_json_object(request, state.config.max_body_bytes)
-    req = parse_request(state, DetokenizeRequest, data, "/detokenize")
-    check_model(req.model, state.config.model_names)
+    req = await read_request(request, state, DetokenizeRequest)
     vocab_size = len(state.tokenizer)
     if any(not 0 <= t < vocab_size for t in req.tokens):
         raise invalid(f"token ids in 'tokens' must be in [0, {vocab_size}).", "tokens")
