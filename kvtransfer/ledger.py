@@ -292,7 +292,9 @@ class TransferLedger:
         return transfer_id not in self._transfers and self._recent.get(transfer_id) == "complete"
 
     def _describe_absent(self, transfer_id: str) -> str:
+        """A failed transfer's state with its reason: a write that crosses the decode node's
+        abort is refused for that reason, whichever reaches the sender first."""
         transfer = self._transfers.get(transfer_id)
         if transfer is not None:
-            return "failed"
+            return f"failed: {transfer.error}" if transfer.error else "failed"
         return self._recent.get(transfer_id, "unknown")

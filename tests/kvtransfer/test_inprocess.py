@@ -118,6 +118,17 @@ def test_failed_direct_write_holds_blocks_until_abandon_or_deadline_plus_grace()
     assert [e.kind for e in ledger.take_actions()[0]] == [TransferKind.RELEASED]
 
 
+def test_a_write_that_crosses_the_abort_is_refused_for_the_abort_s_reason():
+    """The decode node's abort and a write already on its way cross: the write's refusal may
+    reach the sender before the Cancel does, so it carries the same reason."""
+    ledger = TransferLedger(num_blocks=8, num_layers=1, strategy=DirectWrite(), release_grace_s=5)
+    ledger.expect("crossed", [1, 2], deadline=10, now=0)
+    ledger.grant("crossed", b"w", now=1)
+    ledger.fail("crossed", "KV transfer for request 'crossed' was aborted by the decode node")
+    refusal = ledger.check_write("crossed", b"w", [2], 0, 1)
+    assert "is failed" in refusal and "aborted by the decode node" in refusal
+
+
 def test_a_failed_streamed_transfer_releases_its_blocks_at_once():
     ledger = TransferLedger(num_blocks=8, num_layers=1, strategy=Streamed(), release_grace_s=5)
     ledger.expect("granted", [1], deadline=10, now=0)
