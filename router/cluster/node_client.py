@@ -101,7 +101,6 @@ class NodeClient:
         self.prompt_queues = PromptQueues()
         self.num_arriving = 0  # requests between their admission checks and their submit
         self.prefill_router = prefill_router or PrefillRouter(self.prompt_queues)
-        self.max_queue_delay_s = max_queue_delay_s
         self.queue_delay_bound = QueueDelayBound(max_queue_delay_s, self.prompt_queues, clock)
         self.max_retries = max_retries
         self.inflight = InFlightTable(self.prompt_queues, clock)
@@ -245,7 +244,8 @@ class NodeClient:
         queued there, and those still being read and tokenized (`arriving`), each counted as
         the mean prompt of recent submits, spread over the nodes. Under a burst a refusal then
         costs the same however many requests wait to be tokenized."""
-        node = self.live_node() if self.max_queue_delay_s is not None else None
+        bounded = self.queue_delay_bound.max_queue_delay_s is not None
+        node = self.live_node() if bounded else None
         if node is None:
             return  # no bound, or no node: the route answers 503 later
         candidates = self.registry.live(Role.PREFILL) if node.role == Role.DECODE else [node]

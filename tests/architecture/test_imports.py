@@ -196,24 +196,24 @@ def test_the_rules_catch_a_forbidden_import(tmp_path):
     assert imports_of(module) == [(2, "torch"), (3, "engine")]
 
 
-def test_the_engine_room_rules_catch_a_forbidden_import(tmp_path):
+@pytest.mark.parametrize(
+    ("package", "top_module", "room_module", "room", "forbidden_in"),
+    [
+        ("engine", "sequence", "sched.scheduler", "sched", "kv"),
+        ("router", "errors", "api.schemas", "api", "cluster"),
+    ],
+)
+def test_the_room_rules_catch_a_forbidden_import(
+    tmp_path, package, top_module, room_module, room, forbidden_in
+):
+    folder, rules = ROOMS[package]
     module = tmp_path / "m.py"
     module.write_text(
-        "from pdserve.engine.sequence import Sequence\n"
-        "def f():\n    from pdserve.engine.sched.scheduler import Scheduler\n"
+        f"from pdserve.{package}.{top_module} import X\n"
+        f"def f():\n    from pdserve.{package}.{room_module} import Y\n"
     )
-    assert rooms_imported(module, ENGINE) == [(3, "sched")]
-    assert "sched" not in ENGINE_ROOMS["kv"]
-
-
-def test_the_router_room_rules_catch_a_forbidden_import(tmp_path):
-    module = tmp_path / "m.py"
-    module.write_text(
-        "from pdserve.router.errors import APIError\n"
-        "def f():\n    from pdserve.router.api.schemas import CompletionRequest\n"
-    )
-    assert rooms_imported(module, ROUTER) == [(3, "api")]
-    assert "api" not in ROUTER_ROOMS["cluster"]
+    assert rooms_imported(module, folder) == [(3, room)]
+    assert room not in rules[forbidden_in]
 
 
 @pytest.mark.processes
