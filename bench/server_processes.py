@@ -42,8 +42,9 @@ def process_label(argv: list[str], node_config: str | None = None) -> str:
         return argv[argv.index("--node-id") + 1].split(".")[0]
     if node_config is not None:
         return json.loads(node_config)["node"]["node_id"].split(".")[0]
-    if "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1].removeprefix("pdserve.")
+    if "-m" in argv[:-1]:  # `-m pdserve.router`, or `-m pdserve.node ROLE`
+        module, *rest = argv[argv.index("-m") + 1:]
+        return rest[0] if module == "pdserve.node" and rest else module.removeprefix("pdserve.")
     return Path(argv[0]).name if argv else "?"
 
 

@@ -6,7 +6,7 @@
   pdserve serve [MODEL]       the OpenAI-compatible HTTP server (router + nodes)
   pdserve bench serve         load-test an OpenAI-compatible server (python -m pdserve.bench.serve)
   pdserve colocated|prefill|decode [flags]
-                              one node that joins a router elsewhere (python -m <role>_node)
+                              one node that joins a router elsewhere (python -m pdserve.node)
 
 Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 """
@@ -14,7 +14,6 @@ Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 
@@ -139,9 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_node(role: str, node_args: list[str]) -> int:
-    """One node of `role` that joins a router elsewhere (`python -m {role}_node` flags)."""
-    entry = importlib.import_module(f"{Role(role).package}.__main__")
-    return entry.main(node_args)
+    """One node of `role` that joins a router elsewhere (`python -m pdserve.node ROLE` flags)."""
+    from pdserve.node.__main__ import main as node_main
+
+    return node_main([role, *node_args])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     for role in NODE_ROLES:
         sub.add_parser(
             role,
-            help=f"one {role} node that joins a router elsewhere (python -m {role}_node flags)",
+            help=f"one {role} node that joins a router elsewhere (python -m pdserve.node {role} "
+            "flags)",
             add_help=False,
         ).add_argument("node_args", nargs=argparse.REMAINDER)
     return parser

@@ -3,7 +3,7 @@
 Disaggregated (the default): `--prefill N` prefill-node processes and `--decode M` decode-node
 processes (on a CPU host each on its share of the cores: commands/node_threads.py), KV moved
 over shm between CPU processes or CUDA IPC between GPUs (`--kv-transport` overrides).
-Colocated (`--colocated`): one `decode_node` process that prefills and decodes. Either way one
+Colocated (`--colocated`): one colocated node process that prefills and decodes. Either way one
 `router` process, wired over ZeroMQ on free loopback ports. The launcher waits until the
 router's /health answers 200 and prints the URL; a process that exits before then stops
 everything.
@@ -151,7 +151,7 @@ def wait_healthy(url: str, exited: Callable[[], bool], timeout_s: float) -> None
 
 @dataclass
 class NodePlan:
-    """One node process: its argv names the module alone; its settings travel as data in
+    """One node process: its argv names the module and the role alone; its settings travel as data in
     `env` (node/cli.py's PDSERVE_NODE_CONFIG, `config` as JSON), beside its GPUs."""
 
     name: str
@@ -278,7 +278,8 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
             env["CUDA_VISIBLE_DEVICES"] = ",".join(placement.visible_devices)
             config["engine"]["processes_on_device"] = placement.processes_on_device
         env[CONFIG_ENV] = json.dumps(config)
-        plans.append(NodePlan(node_id, python_module_command(role.package), address, config, env))
+        argv = [*python_module_command("pdserve.node"), role.value]
+        plans.append(NodePlan(node_id, argv, address, config, env))
     return plans
 
 

@@ -1,8 +1,7 @@
 """What every node's command line shares: engine flags, node addresses, signals, logging.
 
-`python -m pdserve.colocated_node`, `python -m pdserve.prefill_node` and `python -m
-pdserve.decode_node` build their
-parser with `node_parser` (plus `add_kv_flags` for the roles that move KV), then call
+`python -m pdserve.node ROLE` (node/__main__.py) builds its parser with `role_parser` (every
+node's flags from `node_parser`, plus `add_kv_flags` for the roles that move KV), then calls
 `run_node(args, role)`: logging set up from LogSettings (`--log-level`, `--log-format
 text|json`; wire/log_format.py), SIGTERM and SIGINT handlers installed before the (slow) model
 load, then `role(engine_config=..., config=...)` makes the node and `run()` serves until a
@@ -40,7 +39,7 @@ from pdserve.node.config import CONFIG_ENV, NodeConfig
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import add_flags, build
 from pdserve.wire.log_format import LogSettings
-from pdserve.wire.roles import Role
+from pdserve.wire.roles import KV_ROLES, Role
 
 CONFIG_PARTS = {"engine": EngineConfig, "node": NodeConfig, "log": LogSettings}
 
@@ -70,6 +69,15 @@ def add_kv_flags(parser: argparse.ArgumentParser, *, receiver: bool) -> None:
     address and deadlines (decode nodes)."""
     role = Role.DECODE if receiver else Role.PREFILL
     add_flags(parser, NodeConfig, select=lambda f: role in (f.metadata.get("roles") or ()))
+
+
+def role_parser(role: Role, description: str = "") -> argparse.ArgumentParser:
+    """The parser of `python -m pdserve.node ROLE`: every node's flags, plus the KV flags of
+    the roles that move KV."""
+    parser = node_parser(f"python -m pdserve.node {role}", description)
+    if role in KV_ROLES:
+        add_kv_flags(parser, receiver=role is Role.DECODE)
+    return parser
 
 
 def launcher_config(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:

@@ -81,7 +81,7 @@ def with_chosen_port(address: str, bound: str) -> str:
 
 
 class NodeRuntime:
-    """The loop and sockets of one node; the roles (colocated_node/, prefill_node/,
+    """The loop and sockets of one node; the roles (node/colocated.py, prefill_node/,
     decode_node/) subclass it and fill in the hooks below."""
 
     role: ClassVar[str] = ""

@@ -58,12 +58,11 @@ class Cluster:
             "--kv-cache-memory", str(32 << 20), "--dtype", "float32", *node_flags,
         ]
         if colocated:
-            roles = [("colocated", "pdserve.colocated_node", [])]
+            roles = [("colocated", [])]
         else:
             roles = [
-                ("prefill", "pdserve.prefill_node", ["--kv-transport", kv_transport, *prefill_flags]),
-                ("decode", "pdserve.decode_node",
-                 ["--kv-transport", kv_transport, *decode_flags]),
+                ("prefill", ["--kv-transport", kv_transport, *prefill_flags]),
+                ("decode", ["--kv-transport", kv_transport, *decode_flags]),
             ]
         router_argv = [
             sys.executable, "-m", "pdserve.router", "--model", str(model_dir),
@@ -72,11 +71,11 @@ class Cluster:
         ]
         node_env = {**os.environ, "OMP_NUM_THREADS": "1", **(node_env or {})}
         try:
-            for role, module, flags in roles:
+            for role, flags in roles:
                 node_id = f"{role}-{self.tag}"
                 address = f"tcp://127.0.0.1:{free_port()}"
                 self._start(role, [
-                    sys.executable, "-m", module, "--node-id", node_id, "--listen", address,
+                    sys.executable, "-m", "pdserve.node", role, "--node-id", node_id, "--listen", address,
                     "--num-threads", "1", *common, *flags,
                 ], node_env)
                 router_argv += ["--node", f"{node_id}={address}"]

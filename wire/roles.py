@@ -1,6 +1,6 @@
 """The roles a node plays, spelled once. A role's value is its name on the wire (NodeStats),
 in node ids (`prefill-0.8000`), in option metadata (`roles=`) and on the command line
-(`pdserve serve` and `pdserve prefill|decode|colocated`); a `Role` compares equal to it.
+(`pdserve serve`, `pdserve prefill|decode|colocated` and `python -m pdserve.node ROLE`); a `Role` compares equal to it.
 
   COLOCATED  computes a request's prompt and decodes it, alone
   PREFILL    computes prompts and ships their KV to a decode node
@@ -18,9 +18,11 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
     @property
-    def package(self) -> str:
-        """The package whose `__main__` runs a node of this role."""
-        return f"pdserve.{self.value}_node"
+    def node_class(self) -> str:
+        """`module:Class` of this role's node, which `python -m pdserve.node ROLE` imports."""
+        if self is Role.COLOCATED:
+            return "pdserve.node.colocated:ColocatedNode"
+        return f"pdserve.{self.value}_node.node:{self.value.capitalize()}Node"
 
 
 KV_ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose nodes move KV

@@ -25,6 +25,7 @@ from pdserve.commands.cli import build_parser
 from pdserve.commands.launcher import plan_nodes
 from pdserve.commands.model_source import ServedModel
 from pdserve.commands.router_plan import plan_router
+from pdserve.wire.roles import Role
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = sorted(path.parent.name for path in ROOT.glob("*/__init__.py"))
@@ -63,7 +64,7 @@ def launcher_plans() -> dict[str, tuple[list[str], dict[str, str]]]:
     for flags in ([], ["--colocated"]):
         args = build_parser().parse_args(["serve", "--model", "/models/tiny", *flags])
         for node in plan_nodes(args, "/models/tiny", "tcp://127.0.0.1:26990"):
-            plans[node.argv[-1]] = (node.argv, node.env)
+            plans[node.argv[-1]] = (node.argv[:-1], node.env)  # the role is the module's argument
     router = plan_router(
         args, ServedModel(Path("/models/tiny"), ("tiny",)), "tcp://127.0.0.1:26992",
         ["node-0=tcp://127.0.0.1:26991"], "s" * 32,
@@ -73,9 +74,7 @@ def launcher_plans() -> dict[str, tuple[list[str], dict[str, str]]]:
 
 
 def test_the_launcher_plans_every_role():
-    assert set(launcher_plans()) == {
-        "pdserve.router", "pdserve.prefill_node", "pdserve.decode_node", "pdserve.colocated_node"
-    }
+    assert set(launcher_plans()) == {"pdserve.router", *Role}
 
 
 @pytest.mark.parametrize("role", sorted(launcher_plans()))

@@ -1,7 +1,8 @@
 """The import rules of docs/design.md ("Architecture"), checked on every module's source.
 
-Imports point one way: kernels <- engine <- kvtransfer <- node <- colocated_node /
-prefill_node / decode_node, and commands/ launches them. Every folder is installed as
+Imports point one way: kernels <- engine <- kvtransfer <- node (with the colocated node) <-
+prefill_node / decode_node, and commands/ launches them (`python -m pdserve.node ROLE`, which
+finds a role's node class by the name wire/roles.py gives it, not by an import). Every folder is installed as
 `pdserve.<folder>` and imported by that name only: nothing imports a bare `engine` or `router`.
 The wire layer (wire/) and the text layer
 (text/) import no torch and no model code, and the router imports only them, so the router
@@ -43,7 +44,6 @@ ALLOWED: dict[str, set[str] | None] = {
     "engine": {"kernels", "wire", "text", "model_store"},
     "kvtransfer": {"engine", "wire"},
     "node": {"engine", "kvtransfer", "wire", "text"},
-    "colocated_node": {"node", "engine", "wire"},
     "prefill_node": {"node", "engine", "kvtransfer", "wire"},
     "decode_node": {"node", "engine", "kvtransfer", "wire"},
     "router": {"wire", "text"},

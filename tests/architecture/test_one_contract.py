@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("router", "node", "engine", "prefill_node", "decode_node", "colocated_node", "wire")
+PRODUCT = ("router", "node", "engine", "prefill_node", "decode_node", "wire")
 BOUNDS = {"INT32_MAX"}
 ORDERS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)  # a bound; `== 0` names echo's special value
 

@@ -233,10 +233,10 @@ def test_the_client_floor_sits_beside_the_refusals_of_the_deployments_on_its_hos
 
 def test_process_labels_name_the_router_and_each_node_without_the_port_suffix():
     assert process_label(["python", "-m", "pdserve.router", "--port", "8000"]) == "router"
-    node = ["python", "-m", "pdserve.prefill_node", "--node-id", "prefill-0.21300", "--listen", "x"]
+    node = ["python", "-m", "pdserve.node", "prefill", "--node-id", "prefill-0.21300", "--listen", "x"]
     assert process_label(node) == "prefill-0"
     config = '{"node": {"node_id": "decode-1.21300"}, "engine": {}}'  # as `pdserve serve` hands it
-    assert process_label(["python", "-m", "pdserve.decode_node"], config) == "decode-1"
+    assert process_label(["python", "-m", "pdserve.node", "decode"], config) == "decode-1"
 
 
 def test_bad_flags_are_refused_with_the_value(capsys):

@@ -26,6 +26,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.config_flags import build, option, options
+from pdserve.wire.roles import Role
 from tests.cli.test_serve_flags import TEMPLATE, child_configs, planned_router, serve_args
 
 # field -> (the flags `pdserve serve` gets, the field value each node must build): a new
@@ -108,18 +109,18 @@ def test_every_serve_option_reaches_every_planned_node_field_by_field(layout):
             assert getattr(node, f.name) == getattr(expected_node, f.name), f.name
         # Handed over as data, in field units, and not on the command line.
         assert json.loads(plan.env[CONFIG_ENV])["engine"]["swap_space"] == 1 << 29
-        assert plan.argv == python_module_command(plan.argv[-1])
+        assert plan.argv == [*python_module_command("pdserve.node"), Role(plan.argv[-1])]
 
 
 def test_flags_given_to_a_node_override_its_launcher_config():
     plan = plan_nodes(serve_args(["--colocated", "--max-num-seqs", "7"]), "/m", "tcp://127.0.0.1:1")[0]
-    parser = node_cli.node_parser("python -m pdserve.colocated_node", "")
+    parser = node_cli.role_parser(Role.COLOCATED)
     engine, config, _ = node_cli.configs(parser.parse_args(["--max-num-seqs", "9"]), plan.env)
     assert (engine.max_num_seqs, engine.model, config.node_id) == (9, "/m", plan.name)
 
 
 def test_a_node_started_directly_needs_its_addresses():
-    parser = node_cli.node_parser("python -m pdserve.colocated_node", "")
+    parser = node_cli.role_parser(Role.COLOCATED)
     with pytest.raises(ValueError, match="--node-id, --listen, --router are required"):
         node_cli.configs(parser.parse_args([]), {})
     with pytest.raises(ValueError, match="no option bogus"):

@@ -14,13 +14,14 @@ from pdserve.commands.launcher import plan_nodes
 from pdserve.commands.model_source import ServedModel, resolve_served_model
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.serve_flags import check_serve_flags
-from pdserve.node.cli import add_kv_flags, configs, node_parser
+from pdserve.node.cli import configs, role_parser
 from pdserve.router.__main__ import parse_args as parse_router_args
 from pdserve.router.config import API_KEY_ENV
 from pdserve.router.config import CONFIG_ENV as ROUTER_CONFIG_ENV
 from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.log_format import LogSettings
+from pdserve.wire.roles import Role
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
@@ -34,12 +35,10 @@ def serve_args(flags: list[str]):
 def child_configs(plan):
     """(EngineConfig, NodeConfig, LogSettings) as the planned node process builds them: its
     argv parsed by its own parser, its environment's PDSERVE_NODE_CONFIG under it."""
-    start = len(python_module_command(plan.argv[3]))
-    module, node_argv = plan.argv[3].removeprefix("pdserve."), plan.argv[start:]
-    parser = node_parser(f"python -m pdserve.{module}", "")
-    if module != "colocated_node":
-        add_kv_flags(parser, receiver=module == "decode_node")
-    return configs(parser.parse_args(node_argv), plan.env)
+    start = len(python_module_command("pdserve.node"))
+    assert plan.argv[:start] == python_module_command("pdserve.node")
+    role, node_argv = Role(plan.argv[start]), plan.argv[start + 1:]
+    return configs(role_parser(role).parse_args(node_argv), plan.env)
 
 
 def planned_router(args, served: ServedModel | None = None):

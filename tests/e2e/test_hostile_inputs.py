@@ -41,7 +41,7 @@ def served(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("hostile-node") / "stderr.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.colocated_node", "--model", str(tiny_llama_dir),
+        [sys.executable, "-m", "pdserve.node", "colocated", "--model", str(tiny_llama_dir),
          "--listen", listen]
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128".split()
         + ["--num-threads", "1", "--heartbeat-interval", "0.2"],

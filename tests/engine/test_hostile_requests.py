@@ -195,8 +195,8 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
     """Eight requests in flight on a colocated node: the one that breaks the sampler gets a
     500, one whose top_k overflows int64 gets a 400 at admission, and the seven others finish
     with the tokens they would have had on their own."""
-    from pdserve.colocated_node.node import ColocatedNode
     from pdserve.engine.config import EngineConfig
+    from pdserve.node.colocated import ColocatedNode
     from pdserve.node.config import NodeConfig
 
     innocents = innocent_requests()

@@ -1,4 +1,4 @@
-"""The colocated node as a real process on real sockets: `python -m pdserve.colocated_node`.
+"""The colocated node as a real process on real sockets: `python -m pdserve.node colocated`.
 
 The test side plays the router: it binds a PULL at the router address and connects a PUSH to
 the node's listen address. One node serves the whole module; its finalizer sends SIGTERM and
@@ -104,7 +104,7 @@ def node(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("node") / "stderr.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.colocated_node", "--model", str(tiny_llama_dir),
+        [sys.executable, "-m", "pdserve.node", "colocated", "--model", str(tiny_llama_dir),
          "--listen", listen]
         + f"--router {router_address} --node-id node-0 --num-kv-blocks 128 --dtype float32".split()
         + ["--heartbeat-interval", "0.2"],
@@ -225,8 +225,8 @@ def test_logprobs_have_top_alternatives(node):
 
 
 def test_engine_error_fails_in_flight_requests_and_node_survives(tiny_llama_dir):
-    from pdserve.colocated_node.node import ColocatedNode
     from pdserve.engine.config import EngineConfig
+    from pdserve.node.colocated import ColocatedNode
     from pdserve.node.config import NodeConfig
 
     listen, router_address = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))

@@ -32,7 +32,7 @@ def test_a_two_rank_colocated_node_serves_the_one_rank_tokens_and_stops_its_work
     log_path = tmp_path / "stderr.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.colocated_node", "--model", str(tiny_llama_dir),
+            [sys.executable, "-m", "pdserve.node", "colocated", "--model", str(tiny_llama_dir),
              "--listen", listen, "--router", router_address, "--node-id", "tp-node",
              "--num-kv-blocks", "64", "--dtype", "float32", "--tensor-parallel-size", "2",
              "--num-threads", "2", "--heartbeat-interval", "0.2"],

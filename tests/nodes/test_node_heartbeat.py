@@ -13,10 +13,10 @@ import time
 
 import zmq
 
-from pdserve.colocated_node.node import ColocatedNode
 from pdserve.commands.launcher import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.node.colocated import ColocatedNode
 from pdserve.node.config import NodeConfig
 from pdserve.router.cluster.node_registry import NodeRegistry
 from pdserve.wire.messages import Generate, Heartbeat, NodeStats, decode, encode

@@ -131,12 +131,12 @@ def test_kv_channel_with_the_secret_transfers_and_without_it_never_gets_a_grant(
 @pytest.mark.parametrize(
     "argv",
     [
-        ["-m", "pdserve.prefill_node", "--node-id", "p", "--listen", "tcp://0.0.0.0:{port}",
+        ["-m", "pdserve.node", "prefill", "--node-id", "p", "--listen", "tcp://0.0.0.0:{port}",
          "--router", "tcp://127.0.0.1:{port}"],
-        ["-m", "pdserve.decode_node", "--node-id", "d", "--listen",
+        ["-m", "pdserve.node", "decode", "--node-id", "d", "--listen",
          "tcp://127.0.0.1:{port}", "--router", "tcp://127.0.0.1:{port}",
          "--kv-listen", "tcp://0.0.0.0:0"],
-        ["-m", "pdserve.prefill_node", "--node-id", "p", "--listen", "tcp://127.0.0.1:{port}",
+        ["-m", "pdserve.node", "prefill", "--node-id", "p", "--listen", "tcp://127.0.0.1:{port}",
          "--router", "tcp://10.1.2.3:{port}"],
         ["-m", "pdserve.router", "--model", "m", "--node", "tcp://127.0.0.1:{port}",
          "--listen", "tcp://0.0.0.0:{port}"],
