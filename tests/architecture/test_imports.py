@@ -78,14 +78,16 @@ TORCH_FREE = ("wire", "text", "router")
 
 
 def imported_names(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module name) of every absolute import in the file."""
+    """(line, dotted name) of every absolute import in the file; `from a.b import c` gives
+    `a.b.c`, which may be a module (`from pdserve import engine`, `from pdserve.router import
+    api`) or a name in `a.b`."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -192,8 +194,11 @@ def test_commands_import_no_node_code_at_module_level():
 
 def test_the_rules_catch_a_forbidden_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    import torch\n    from pdserve.engine.llm import LLM\n")
-    assert imports_of(module) == [(2, "torch"), (3, "engine")]
+    module.write_text(
+        "def f():\n    import torch\n    from pdserve.engine.llm import LLM\n"
+        "from pdserve import kvtransfer\n"
+    )
+    assert sorted(imports_of(module)) == [(2, "torch"), (3, "engine"), (4, "kvtransfer")]
 
 
 @pytest.mark.parametrize(
@@ -211,8 +216,9 @@ def test_the_room_rules_catch_a_forbidden_import(
     module.write_text(
         f"from pdserve.{package}.{top_module} import X\n"
         f"def f():\n    from pdserve.{package}.{room_module} import Y\n"
+        f"from pdserve.{package} import {room}\n"
     )
-    assert rooms_imported(module, folder) == [(3, room)]
+    assert sorted(rooms_imported(module, folder)) == [(3, room), (4, room)]
     assert room not in rules[forbidden_in]
 
 
