@@ -9,7 +9,7 @@ disconnect (`ClientDisconnected`, raised once the request's connection reports i
 gone) or a node failure never leaves work behind.
 
 Ownership: whoever calls `start()` must call `close()` once the request is over, whatever
-happened (the router registers it with `errors.at_request_end` before `start()`). `close()`
+happened (the router registers it with `error_handling.at_request_end` before `start()`). `close()`
 is the one place that gives back everything a generation holds, so an exception anywhere
 between the admission and the end of the request (in `start()` itself, in a route, in a
 response that never ran) cannot leak an admission slot or a node sub-request.

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.router.api.error_handling import CLIENT_CLOSED_REQUEST
+
 if TYPE_CHECKING:
     from pdserve.router.generation import Generation
 
@@ -38,7 +40,6 @@ VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 REQUEST_RECORD_SCOPE_KEY = "pdserve.request_record"
 UNLOGGED_PATHS = frozenset({"/health", "/metrics"})
 MAX_LOGGED_PATH_CHARS = 200
-CLIENT_CLOSED_REQUEST = 499
 
 
 @dataclass
@@ -100,7 +101,7 @@ def access_line(fields: dict[str, Any]) -> str:
 
 
 class AccessLog:
-    """Pure ASGI middleware, outside `errors.RequestGuard` so it sees the status that guard
+    """Pure ASGI middleware, outside `error_handling.RequestGuard` so it sees the status that guard
     answers too."""
 
     def __init__(

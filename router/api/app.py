@@ -6,7 +6,7 @@ POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model_id}, POST /toke
 POST /detokenize, GET /health, GET /metrics.
 
 Every request runs behind `access_log.AccessLog` (its request id, `x-request-id`, and its
-access line) and, inside it, `errors.RequestGuard`: an unexpected exception is a 500 JSON answer
+access line) and, inside it, `error_handling.RequestGuard`: an unexpected exception is a 500 JSON answer
 on a connection that stays usable, and a generation is closed (its admission places and node
 sub-requests given back) when its request ends, however it ends. Inside it runs the API-key
 check (router/api/auth.py), and inside that the early refusals under overload
@@ -24,9 +24,9 @@ from fastapi import FastAPI
 from pdserve.router.api import routes, tokenization
 from pdserve.router.api.access_log import AccessLog
 from pdserve.router.api.auth import APIKeyMiddleware
+from pdserve.router.api.error_handling import RequestGuard, install_error_handlers
 from pdserve.router.api.overload_gate import OverloadGate
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import RequestGuard, install_error_handlers
 from pdserve.router.state import RouterState
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.router.api.error_handling import error_response
 from pdserve.router.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
@@ -40,6 +41,6 @@ class APIKeyMiddleware:
                 error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
                 if self.on_error is not None:
                     self.on_error(error.type)
-                await error.response()(scope, receive, send)
+                await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

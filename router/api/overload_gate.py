@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.router.api.error_handling import error_response
 from pdserve.router.errors import APIError
 from pdserve.router.state import RouterState
 
@@ -51,6 +52,6 @@ class OverloadGate:
             except APIError as error:
                 if self.on_error is not None:
                     self.on_error(error.type)
-                await error.response()(scope, receive, send)
+                await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

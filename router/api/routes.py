@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.router.api.access_log import request_record
 from pdserve.router.api.body import read_json_object
+from pdserve.router.api.error_handling import at_request_end
 from pdserve.router.api.responses import Responder
 from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.api.sse import EventStreamResponse
@@ -40,7 +41,7 @@ from pdserve.router.api.validation import (
     plan_chat,
     plan_completion,
 )
-from pdserve.router.errors import APIError, at_request_end, error_body, validation_error
+from pdserve.router.errors import APIError, error_body, validation_error
 from pdserve.router.generation import Generation
 from pdserve.router.state import RouterState
 

@@ -17,7 +17,8 @@ the CPU offers (cpu/) sees no other room. The modules on top of engine/ (config,
 engine itself) are not a room: every room may import them.
 
 Inside router/, the same way (ROUTER_ROOMS): the cluster client (cluster/) imports nothing of the
-OpenAI HTTP surface (api/), which may import the cluster client. The modules on top of router/
+OpenAI HTTP surface (api/), which may import the cluster client, nor any web framework (WEB): it
+raises router/errors.py's `APIError`, which api/ answers over HTTP. The modules on top of router/
 (config, errors, state, generation, metrics, choice_groups, __main__) may be imported by both.
 """
 
@@ -73,6 +74,8 @@ ROUTER_ROOMS: dict[str, set[str] | None] = {
     "cluster": set(),
     "api": {"cluster"},
 }
+# The HTTP stack, which the router's cluster client (router/cluster/) never imports.
+WEB = ("fastapi", "starlette", "uvicorn", "httptools", "h11", "pydantic")
 # Packages whose processes must stay light: no torch, no model code.
 TORCH_FREE = ("wire", "text", "router")
 
@@ -172,6 +175,16 @@ def test_room_imports_only_what_its_rule_allows(package, room):
         for line, name in rooms_imported(path, folder):
             if allowed is not None and name not in allowed | {room}:
                 broken.append(f"{path.relative_to(ROOT)}:{line} imports {package}/{name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_cluster_client_imports_no_web_framework():
+    broken = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in sorted((ROUTER / "cluster").rglob("*.py"))
+        for line, name in imports_of(path)
+        if name in WEB
+    ]
     assert not broken, "\n".join(broken)
 
 
