@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.router.cluster.node_registry import parse_node_spec
+from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import option
 from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
@@ -110,6 +111,23 @@ class RouterConfig:
         "starts: queued prompt tokens / the node's measured prefill speed, or the age of the "
         "oldest request still waiting there",
     )
+    # Where a prompt sent to a decode node is computed (router/cluster/prefill_placement.py).
+    disagg_policy: str = option(
+        "always", flag="--disagg-policy", choices=tuple(DisaggPolicy),
+        help="where a decode node's prompts are computed: always on a prefill node, never "
+        "(the decode node computes them, as a colocated node), or auto per request (short "
+        "prompts and a long prefill queue stay on the decode node)",
+    )
+    local_prefill_tokens: int = option(
+        512, flag="--local-prefill-tokens", metavar="N",
+        help="--disagg-policy auto: a prompt of at most this many tokens the decode node lacks "
+        "is computed there",
+    )
+    local_prefill_queue_delay_s: float = option(
+        1.0, flag="--local-prefill-queue-delay", metavar="SECONDS",
+        help="--disagg-policy auto: a longer prompt is computed on the decode node when the "
+        "prefill node's predicted queue delay exceeds this and the decode node's is shorter",
+    )
     # Streaming: a write to the client blocked this long aborts the request; at most this many
     # tokens wait in the router for a client that reads slower than the node generates.
     stream_stall_timeout_s: float = option(
@@ -175,6 +193,22 @@ class RouterConfig:
             raise ValueError(
                 f"max_queue_delay_s is {self.max_queue_delay_s}; expected (0, 3600] s"
             )
+        if self.disagg_policy not in tuple(DisaggPolicy):
+            raise ValueError(
+                f"disagg_policy is {self.disagg_policy!r}; expected one of "
+                f"{', '.join(DisaggPolicy)}"
+            )
+        if isinstance(self.local_prefill_tokens, bool) or not (
+            isinstance(self.local_prefill_tokens, int) and 0 <= self.local_prefill_tokens <= 1 << 20
+        ):
+            raise ValueError(
+                f"local_prefill_tokens is {self.local_prefill_tokens!r}; expected 0 to {1 << 20}"
+            )
+        if not 0 < self.local_prefill_queue_delay_s <= 3600:
+            raise ValueError(
+                f"local_prefill_queue_delay_s is {self.local_prefill_queue_delay_s}; "
+                "expected (0, 3600] s"
+            )
         if not 0 < self.stats_log_interval_s <= 3600:
             raise ValueError(
                 f"stats_log_interval_s is {self.stats_log_interval_s}; expected (0, 3600] s"
@@ -187,6 +221,13 @@ class RouterConfig:
             raise ValueError(
                 f"stream_stall_timeout_s is {self.stream_stall_timeout_s}; expected (0, 3600] s"
             )
+
+    @property
+    def placement(self) -> PlacementSettings:
+        return PlacementSettings(
+            DisaggPolicy(self.disagg_policy), self.local_prefill_tokens,
+            self.local_prefill_queue_delay_s,
+        )
 
     @property
     def model_name(self) -> str:

@@ -78,6 +78,8 @@ class RouterState:
             on_retry=self.metrics.request_retries.inc,
             cluster_auth=config.cluster_auth,
             max_queue_delay_s=config.max_queue_delay_s,
+            placement=config.placement,
+            registry=self.metrics.registry,
         )
         self.formatter = LogprobFormatter(self.tokenizer)
         self.tokenizer_threads = WorkerThreads(NUM_TOKENIZER_THREADS, "router-tokenize")

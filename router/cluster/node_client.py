@@ -4,8 +4,10 @@ are alive, router/cluster/node_registry.py), the links (sockets, router/cluster/
 choices (router/cluster/routing.py, router/cluster/queue_delay.py) and the in-flight table
 (router/cluster/inflight.py).
 
-With live decode nodes a request is disaggregated: Generate goes to a decode node naming the
-prefill node that computes the prompt; aborts go to both. Otherwise a colocated node serves it.
+With live decode nodes a request goes to a decode node, and its prompt is computed where
+`--disagg-policy` places it (router/cluster/prefill_placement.py): by a prefill node the
+Generate names (aborts then go to both), or by the decode node itself. Otherwise a colocated
+node serves it.
 
 Lifecycle of a request (each state with what ends it and its deadline):
 - submitted: `submit()` picks the serving node and, for a decode node, a prefill node. No live
@@ -48,10 +50,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from pdserve.router.cluster.admission import QueueDelayBound
 from pdserve.router.cluster.inflight import InFlight, InFlightTable
 from pdserve.router.cluster.node_links import NodeLinks
 from pdserve.router.cluster.node_registry import NodeRegistry, NodeState
+from pdserve.router.cluster.prefill_placement import PlacementSettings, PrefillPlacement
 from pdserve.router.cluster.queue_delay import PromptQueues
 from pdserve.router.cluster.routing import PrefillRouter, pick_decode_node
 from pdserve.wire.cluster_auth import ClusterAuth
@@ -88,6 +93,8 @@ class NodeClient:
         on_retry: Callable[[], None] | None = None,
         cluster_auth: ClusterAuth | None = None,
         max_queue_delay_s: float | None = None,
+        placement: PlacementSettings | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.links = NodeLinks(listen_address, cluster_auth or ClusterAuth.none())
         self.registry = NodeRegistry(
@@ -101,6 +108,10 @@ class NodeClient:
         self.prompt_queues = PromptQueues()
         self.num_arriving = 0  # requests between their admission checks and their submit
         self.prefill_router = prefill_router or PrefillRouter(self.prompt_queues)
+        self.placement = PrefillPlacement(
+            placement or PlacementSettings(), self.prefill_router, self.prompt_queues, clock,
+            registry,
+        )
         self.queue_delay_bound = QueueDelayBound(max_queue_delay_s, self.prompt_queues, clock)
         self.max_retries = max_retries
         self.inflight = InFlightTable(self.prompt_queues, clock)
@@ -134,8 +145,9 @@ class NodeClient:
 
     def live_node(self) -> NodeState | None:
         """A node that can serve a request now: a decode node when a prefill node is alive
-        too (disaggregated), else a colocated node; None when neither is."""
-        if self.registry.live(Role.PREFILL):
+        too, or when the policy lets decode nodes compute prompts themselves; else a
+        colocated node; None when neither is."""
+        if self.registry.live(Role.PREFILL) or not self.placement.needs_prefill_nodes:
             decode_node = pick_decode_node(self.registry.live(Role.DECODE))
             if decode_node is not None:
                 return decode_node
@@ -227,16 +239,17 @@ class NodeClient:
     def _route(
         self, entry: InFlight, node: NodeState
     ) -> tuple[NodeState | None, NodeState, int]:
-        """For a request going to `node`: its prefill node (a decode node is told one this
-        request has not failed on, if one is alive; None for a colocated node), the node that
+        """For a request going to `node`: its prefill node (for a decode node, where the
+        policy places its prompt, preferring prefill nodes this request has not failed on;
+        None for a colocated node or a prompt the decode node computes), the node that
         computes its prompt, and how many prompt tokens that node likely has to compute."""
         prompt = entry.request.prompt_token_ids
         if node.role != Role.DECODE:
             return None, node, len(prompt)
         live = self.registry.live(Role.PREFILL)
         fresh = [n for n in live if n.address not in entry.failed_prefills] or live
-        prefill, cached = self.prefill_router.pick(fresh, prompt)
-        return prefill, prefill, len(prompt) - cached
+        choice = self.placement.place(node, fresh, prompt)
+        return choice.prefill, choice.prefill or node, choice.num_tokens
 
     def check_overload(self) -> None:
         """429 before a request is read or tokenized, when every node that could compute its
@@ -248,7 +261,9 @@ class NodeClient:
         node = self.live_node() if bounded else None
         if node is None:
             return  # no bound, or no node: the route answers 503 later
-        candidates = self.registry.live(Role.PREFILL) if node.role == Role.DECODE else [node]
+        candidates = [node]
+        if node.role == Role.DECODE:
+            candidates = self.placement.candidates(node, self.registry.live(Role.PREFILL))
         self.queue_delay_bound.check_nodes(candidates, self.num_arriving)
 
     @contextlib.contextmanager
@@ -285,8 +300,8 @@ class NodeClient:
     def _send_message(self, node: NodeState, message: Generate, prefill: NodeState | None) -> None:
         self.links.send(node, message)
         node.promised_blocks += -(-len(message.prompt_token_ids) // (node.stats.block_size or 16))
-        if prefill is not None:
-            self.prefill_router.remember(prefill, message.prompt_token_ids)
+        if prefill is not None or node.role == Role.DECODE:  # where its blocks are now cached
+            self.prefill_router.remember(prefill or node, message.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Forgets the request and tells its nodes to drop it (never blocks, never raises)."""

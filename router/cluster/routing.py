@@ -5,7 +5,8 @@
   since (`NodeState.promised_blocks`), so a burst between two reports spreads over the nodes.
 - Prefill nodes: the longest cached prefix, from a per-node index of the block hashes of the
   prompts the router sent there (chained hashes of block-sized runs of token ids, so two
-  prompts share a hash exactly when they share every token up to the end of that block). The
+  prompts share a hash exactly when they share every token up to the end of that block; kept
+  for decode nodes too, of the prompts they compute themselves: prefill_placement.py). The
   index is the router's belief, not the node's cache: it forgets the oldest hashes beyond
   `max_blocks_per_node` and never learns about evictions, which only costs a cache miss.
   Ties go to the node with less queued work, then to the one with the smaller index, so new
@@ -58,17 +59,8 @@ class PrefillRouter:
             return None
         block_size = nodes[0].stats.block_size or 16
         hashes = block_hashes(token_ids, block_size)
-
-        def cached_blocks(node: NodeState) -> int:
-            known = self.index.get(node.address, {})
-            count = 0
-            while count < len(hashes) and hashes[count] in known:
-                count += 1
-            return count
-
         queued = self.queues.tokens
-
-        matches = {node.address: cached_blocks(node) for node in nodes}
+        matches = {node.address: self._cached_blocks(node, hashes) for node in nodes}
         best = max(
             nodes,
             key=lambda n: (matches[n.address], -queued(n), -len(self.index.get(n.address, ()))),
@@ -77,6 +69,18 @@ class PrefillRouter:
         if queued(best) - queued(least_loaded) > self.imbalance_tokens:
             best = least_loaded
         return best, matches[best.address] * block_size
+
+    def cached_tokens(self, node: NodeState, token_ids: list[int]) -> int:
+        """How many leading tokens of the prompt `node` likely has cached."""
+        block_size = node.stats.block_size or 16
+        return self._cached_blocks(node, block_hashes(token_ids, block_size)) * block_size
+
+    def _cached_blocks(self, node: NodeState, hashes: list[int]) -> int:
+        known = self.index.get(node.address, {})
+        count = 0
+        while count < len(hashes) and hashes[count] in known:
+            count += 1
+        return count
 
     def remember(self, node: NodeState, token_ids: list[int]) -> None:
         """The prompt was sent to `node`: its blocks are (soon) in that node's cache."""

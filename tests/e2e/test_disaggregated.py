@@ -1,8 +1,9 @@
 """End to end through the router, real processes: disaggregated serving (prefill nodes and
 decode nodes, KV over shared memory) gives the same greedy text as colocated serving, for 32
 concurrent requests with shared prefixes and different lengths under chunked prefill, with
-1P1D and 2P2D (KV over shm; 1P1D also over zmq and mooncake, and with two tensor-parallel ranks
-on each node); every node's KV blocks are all free afterwards. Each deployment runs with the
+1P1D and 2P2D (KV over shm; 1P1D also over zmq and mooncake, with two tensor-parallel ranks on
+each node, and with `--disagg-policy auto`, which computes the shorter prompts on the decode
+node); every node's KV blocks are all free afterwards. Each deployment runs with the
 cluster secret `pdserve serve` makes for its processes (CURVE on every ZeroMQ link, the KV
 channel included); a node joining from outside is given the secret."""
 
@@ -39,13 +40,18 @@ class Server(ServeProcess):
         super().__init__(["--model", str(model_dir), *SERVE_FLAGS, *layout], ready_timeout_s=120)
 
     def metric_by_node(self, name: str) -> dict[str, float]:
+        return self.metric_by_label(name, "node")
+
+    def metric_by_label(self, name: str, label: str) -> dict[str, float]:
+        """`label`'s value -> the sum of the samples of `name` with it."""
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        return {
-            sample.labels.get("node", ""): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        }
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    key = sample.labels.get(label, "")
+                    totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
 
     def wait_all_blocks_free(self) -> None:
         assert_no_leaked_blocks(self.url)
@@ -106,8 +112,9 @@ def colocated_answers(tiny_llama_dir):
         ("1", "1", "zmq"),
         ("1", "1", "mooncake"),
         ("1", "1", "shm", "--tensor-parallel-size", "2"),
+        ("1", "1", "shm", "--disagg-policy", "auto", "--local-prefill-tokens", "64"),
     ],
-    ids=["1P1D", "2P2D", "zmq", "mooncake", "1P1D-tp2"],
+    ids=["1P1D", "2P2D", "zmq", "mooncake", "1P1D-tp2", "1P1D-auto"],
 )
 def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answers, layout):
     if layout[2] == "mooncake":
@@ -131,6 +138,9 @@ def test_disaggregated_text_equals_colocated_text(tiny_llama_dir, colocated_answ
             server.wait_all_blocks_free()
         hits = server.metric_by_node("pdserve_prefix_cache_hits_total")
         assert sum(v for node, v in hits.items() if node.startswith("prefill")) > 0, hits
+        if "auto" in layout:  # prompts of 18-130 tokens: some computed on each side
+            placed = server.metric_by_label("pdserve_prefill_placements_total", "placement")
+            assert placed.get("local", 0) > 0 and placed.get("remote", 0) > 0, placed
     finally:
         server.close()
 

@@ -51,8 +51,11 @@ def stats(node_id: str, role: str, instance_id: str = "i0") -> NodeStats:
     )
 
 
-def cluster(*node_ids: str, max_retries: int = 2) -> tuple[NodeClient, Clock, dict]:
-    """A client that knows live nodes (role from the id's first letter: p, d, c)."""
+def cluster(
+    *node_ids: str, max_retries: int = 2, **client_settings
+) -> tuple[NodeClient, Clock, dict]:
+    """A client that knows live nodes (role from the id's first letter: p, d, c);
+    `client_settings`: NodeClient's other keyword arguments."""
     clock = Clock()
     roles = {"p": "prefill", "d": "decode", "c": "colocated"}
     client = NodeClient(
@@ -61,6 +64,7 @@ def cluster(*node_ids: str, max_retries: int = 2) -> tuple[NodeClient, Clock, di
         NODE_TIMEOUT_S,
         clock=clock,
         max_retries=max_retries,
+        **client_settings,
     )
     sockets = {}
     for node in client.nodes:

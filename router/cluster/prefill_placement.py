@@ -1,0 +1,143 @@
+"""Where the prompt of a request sent to a decode node is computed (conditional disaggregation).
+
+  REMOTE  a prefill node computes it and writes its KV into the decode node's reserved blocks
+          (the Generate names that prefill node);
+  LOCAL   the decode node computes it itself, in chunks mixed into its decode steps under its
+          token budget (`--max-num-batched-tokens`), as a colocated node does (the Generate
+          names no prefill node).
+
+Disaggregation pays for long prompts under load and costs for short ones: a short prompt's
+KV transfer and extra hop cost more than the interference its prefill would cause among the
+decode node's streams. The policy (`--disagg-policy`):
+  always  REMOTE, whenever a prefill node is alive; without one, decode nodes take no
+          requests (the default)
+  never   LOCAL: decode nodes serve as colocated nodes; prefill nodes stay idle
+  auto    per request, the first rule that holds (the reason is counted with the choice):
+            no prefill node is alive                                  LOCAL   no_prefill_node
+            its tokens the decode node lacks <= local_prefill_tokens  LOCAL   short_prompt
+            the chosen prefill node's predicted queue delay exceeds
+            local_prefill_queue_delay_s and the decode node's own
+            predicted delay is smaller                                 LOCAL   prefill_queue
+            otherwise                                                  REMOTE  long_prompt
+The tokens a node lacks are the prompt less its longest prefix that node likely has cached,
+from the router's prefix index (router/cluster/routing.py), which learns the prompts computed
+on decode nodes as it learns those sent to prefill nodes. Predicted queue delays are the
+router's (router/cluster/queue_delay.py). Every choice is counted by placement and reason
+(`pdserve_prefill_placements_total`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.queue_delay import PromptQueues
+from pdserve.router.cluster.routing import PrefillRouter
+
+
+class DisaggPolicy(enum.StrEnum):
+    ALWAYS = "always"
+    NEVER = "never"
+    AUTO = "auto"
+
+
+class Placement(enum.StrEnum):
+    REMOTE = "remote"
+    LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """The operator's choice (RouterConfig's `disagg_policy`, `local_prefill_tokens`,
+    `local_prefill_queue_delay_s`)."""
+
+    policy: DisaggPolicy = DisaggPolicy.ALWAYS
+    local_prefill_tokens: int = 512
+    local_prefill_queue_delay_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    placement: Placement
+    reason: str
+    prefill: NodeState | None  # the prefill node computing the prompt (REMOTE only)
+    num_tokens: int  # the prompt tokens the computing node likely lacks
+
+
+class PrefillPlacement:
+    def __init__(
+        self,
+        settings: PlacementSettings,
+        prefill_router: PrefillRouter,
+        queues: PromptQueues,
+        clock: Callable[[], float],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.policy = DisaggPolicy(settings.policy)
+        self.local_prefill_tokens = settings.local_prefill_tokens
+        self.local_prefill_queue_delay_s = settings.local_prefill_queue_delay_s
+        self.prefill_router = prefill_router
+        self.queues = queues
+        self.clock = clock
+        self._counter = None
+        if registry is not None:
+            self._counter = Counter(
+                "pdserve_prefill_placements",
+                "Prompts sent to decode nodes, by where they were computed and why",
+                ["placement", "reason"],
+                registry=registry,
+            )
+
+    @property
+    def needs_prefill_nodes(self) -> bool:
+        """Whether decode nodes take requests only while a prefill node is alive."""
+        return self.policy is DisaggPolicy.ALWAYS
+
+    def candidates(self, decode_node: NodeState, prefill_nodes: list[NodeState]) -> list[NodeState]:
+        """The nodes that may compute a prompt sent to `decode_node`."""
+        if self.policy is DisaggPolicy.ALWAYS:
+            return prefill_nodes
+        if self.policy is DisaggPolicy.NEVER:
+            return [decode_node]
+        return [*prefill_nodes, decode_node]
+
+    def place(
+        self, decode_node: NodeState, prefill_nodes: list[NodeState], prompt: list[int]
+    ) -> PlacementChoice:
+        """Where the prompt of a request sent to `decode_node` is computed, among the live
+        `prefill_nodes` (those it has not failed on first, the caller's choice)."""
+        choice = self._choose(decode_node, prefill_nodes, prompt)
+        if self._counter is not None:
+            self._counter.labels(choice.placement.value, choice.reason).inc()
+        return choice
+
+    def _choose(
+        self, decode_node: NodeState, prefill_nodes: list[NodeState], prompt: list[int]
+    ) -> PlacementChoice:
+        if self.policy is DisaggPolicy.NEVER:
+            return self._local(decode_node, prompt, "policy")
+        if not prefill_nodes:
+            return self._local(decode_node, prompt, "no_prefill_node")
+        prefill, cached = self.prefill_router.pick(prefill_nodes, prompt)
+        remote = PlacementChoice(Placement.REMOTE, "policy", prefill, len(prompt) - cached)
+        if self.policy is DisaggPolicy.ALWAYS:
+            return remote
+        local = self._local(decode_node, prompt, "short_prompt")
+        if local.num_tokens <= self.local_prefill_tokens:
+            return local
+        now = self.clock()
+        remote_delay = self.queues.delay(prefill, remote.num_tokens, now)
+        remote_s = remote_delay.seconds if remote_delay is not None else 0.0
+        if remote_s > self.local_prefill_queue_delay_s:
+            local_delay = self.queues.delay(decode_node, local.num_tokens, now)
+            if (local_delay.seconds if local_delay is not None else 0.0) < remote_s:
+                return PlacementChoice(Placement.LOCAL, "prefill_queue", None, local.num_tokens)
+        return PlacementChoice(Placement.REMOTE, "long_prompt", prefill, remote.num_tokens)
+
+    def _local(self, decode_node: NodeState, prompt: list[int], reason: str) -> PlacementChoice:
+        cached = self.prefill_router.cached_tokens(decode_node, prompt)
+        return PlacementChoice(Placement.LOCAL, reason, None, len(prompt) - cached)
