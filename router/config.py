@@ -113,18 +113,19 @@ class RouterConfig:
     )
     # Where a prompt sent to a decode node is computed (router/cluster/prefill_placement.py).
     disagg_policy: str = option(
-        "always", flag="--disagg-policy", choices=tuple(DisaggPolicy),
+        PlacementSettings.policy.value, flag="--disagg-policy", choices=tuple(DisaggPolicy),
         help="where a decode node's prompts are computed: always on a prefill node, never "
         "(the decode node computes them, as a colocated node), or auto per request (short "
         "prompts and a long prefill queue stay on the decode node)",
     )
     local_prefill_tokens: int = option(
-        512, flag="--local-prefill-tokens", metavar="N",
+        PlacementSettings.local_prefill_tokens, flag="--local-prefill-tokens", metavar="N",
         help="--disagg-policy auto: a prompt of at most this many tokens the decode node lacks "
         "is computed there",
     )
     local_prefill_queue_delay_s: float = option(
-        1.0, flag="--local-prefill-queue-delay", metavar="SECONDS",
+        PlacementSettings.local_prefill_queue_delay_s, flag="--local-prefill-queue-delay",
+        metavar="SECONDS",
         help="--disagg-policy auto: a longer prompt is computed on the decode node when the "
         "prefill node's predicted queue delay exceeds this and the decode node's is shorter",
     )

@@ -1,6 +1,8 @@
 """A serving deployment as separate processes, for the fault tests: prefill, decode (or
 colocated) nodes and the router, each started with its own flags and environment (a fault
 switch goes to the nodes only), logs in files, stopped and checked for leftovers on close.
+The router computes every prompt of a decode node on a prefill node (`--disagg-policy always`)
+unless `router_flags` names a policy: the faults are meant to hit both.
 
 `Cluster.metric_by_node`, `metrics_by_node`, `wait_blocks_free` and `alive` read and check the
 running deployment, `LogCursor` what a process logged since a moment; `http` is a minimal
@@ -67,7 +69,9 @@ class Cluster:
         router_argv = [
             sys.executable, "-m", "pdserve.router", "--model", str(model_dir),
             "--served-model-name", MODEL_NAME, "--listen", router_address,
-            "--port", str(self.port), *router_flags,
+            "--port", str(self.port),
+            *([] if "--disagg-policy" in router_flags else ["--disagg-policy", "always"]),
+            *router_flags,
         ]
         node_env = {**os.environ, "OMP_NUM_THREADS": "1", **(node_env or {})}
         try:

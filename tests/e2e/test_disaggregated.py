@@ -36,8 +36,14 @@ SERVE_FLAGS = [
 
 
 class Server(ServeProcess):
+    """`pdserve serve` with `layout`; a disaggregated one computes every prompt on its prefill
+    nodes (`--disagg-policy always`) unless `layout` names a policy."""
+
     def __init__(self, model_dir, *layout: str) -> None:
-        super().__init__(["--model", str(model_dir), *SERVE_FLAGS, *layout], ready_timeout_s=120)
+        policy = [] if "--disagg-policy" in layout else ["--disagg-policy", "always"]
+        super().__init__(
+            ["--model", str(model_dir), *SERVE_FLAGS, *policy, *layout], ready_timeout_s=120
+        )
 
     def metric_by_node(self, name: str) -> dict[str, float]:
         return self.metric_by_label(name, "node")

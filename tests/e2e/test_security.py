@@ -97,7 +97,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("security") / "serve.log"
     server = ServeProcess(
         ["--model", str(tiny_llama_dir), "--kv-cache-memory", str(32 << 20), "--api-key", KEY,
-         "--cluster-secret", CLUSTER_SECRET],
+         "--cluster-secret", CLUSTER_SECRET, "--disagg-policy", "always"],
         ready_timeout_s=120,
         log_path=log_path,
     )

@@ -24,7 +24,10 @@ from tests.fault_checks import (
     wait_until,
 )
 
-FLAGS = ["--kv-cache-memory", str(32 << 20), "--prefill", "1", "--decode", "1"]
+FLAGS = [
+    "--kv-cache-memory", str(32 << 20), "--prefill", "1", "--decode", "1",
+    "--disagg-policy", "always",  # requests in flight on both nodes when the drain starts
+]
 
 
 def stream_bodies(model: str, count: int, max_tokens: int) -> list[dict]:

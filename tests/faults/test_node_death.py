@@ -47,6 +47,7 @@ FLAGS = [
     "--transfer-timeout", str(TRANSFER_TIMEOUT_S),
     "--heartbeat-interval", str(HEARTBEAT_S),
     "--dtype", "float32",  # texts compared across retries on other nodes: no bf16 near-ties
+    "--disagg-policy", "always",  # every prompt through a prefill node: the faults hit both
 ]
 # The connection closing, one watchdog round, scraping and a loaded machine's scheduling.
 DEAD_WITHIN_S = 2 * HEARTBEAT_S + 2.0

@@ -32,6 +32,7 @@ PAUSE_S = 4.0  # the fault itself: four times the node timeout pdserve once had
 FLAGS = [
     "--max-num-batched-tokens", "32", "--kv-cache-memory", str(32 << 20),
     "--dtype", "float32", "--prefill", "1", "--decode", "1",
+    "--disagg-policy", "always",  # every prompt through the prefill node and a KV transfer
 ]
 
 

@@ -9,6 +9,7 @@ import asyncio
 
 from pdserve.router.cluster.node_client import NodeClient
 from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
 from pdserve.wire.messages import (
     Abort,
     Generate,
@@ -55,9 +56,12 @@ def cluster(
     *node_ids: str, max_retries: int = 2, **client_settings
 ) -> tuple[NodeClient, Clock, dict]:
     """A client that knows live nodes (role from the id's first letter: p, d, c);
-    `client_settings`: NodeClient's other keyword arguments."""
+    `client_settings`: NodeClient's other keyword arguments. Every prompt sent to a decode
+    node is computed on a prefill node (`--disagg-policy always`) unless `placement` says
+    otherwise: these tests follow requests through both."""
     clock = Clock()
     roles = {"p": "prefill", "d": "decode", "c": "colocated"}
+    client_settings.setdefault("placement", PlacementSettings(DisaggPolicy.ALWAYS))
     client = NodeClient(
         [f"{n}=tcp://{n}" for n in node_ids],
         "tcp://router",

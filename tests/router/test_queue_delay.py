@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.router.cluster.node_client import NodeClient
 from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
 from pdserve.router.cluster.queue_delay import MIN_DRAIN_TOKENS, PromptQueues
 from pdserve.router.errors import APIError
 from pdserve.wire.messages import PromptProgress, RequestFailed, TokenBatch, TokenUpdate
@@ -98,8 +99,11 @@ def test_idle_time_between_requests_is_not_counted_as_slowness():
 
 
 def client_with(*roles: str, max_queue_delay_s: float = 2.0):
+    """A client of live nodes (p, d, c) that each prefill 100 tokens/s; a decode node's
+    prompts are computed on the prefill node (`--disagg-policy always`)."""
     client = NodeClient(
-        [f"{r}=tcp://{r}" for r in roles], "tcp://router", 1.0, max_queue_delay_s=max_queue_delay_s
+        [f"{r}=tcp://{r}" for r in roles], "tcp://router", 1.0, max_queue_delay_s=max_queue_delay_s,
+        placement=PlacementSettings(DisaggPolicy.ALWAYS),
     )
     sockets = {}
     for n in client.nodes:

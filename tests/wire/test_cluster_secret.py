@@ -186,7 +186,7 @@ def test_generated_secret_stays_off_command_lines_and_only_its_holders_join(
     router = f"tcp://127.0.0.1:{free_port()}"
     server = ServeProcess(
         ["--model", str(tiny_llama_dir), "--kv-cache-memory", str(32 << 20),
-         "--router-listen", router],
+         "--router-listen", router, "--disagg-policy", "always"],
         ready_timeout_s=120,
     )
     joiners: list[subprocess.Popen] = []
