@@ -79,15 +79,15 @@ class Cluster:
                 node_id = f"{role}-{self.tag}"
                 address = f"tcp://127.0.0.1:{free_port()}"
                 self._start(role, [
-                    sys.executable, "-m", "pdserve.node", role, "--node-id", node_id, "--listen", address,
-                    "--num-threads", "1", *common, *flags,
+                    sys.executable, "-m", "pdserve.node", role, "--node-id", node_id,
+                    "--listen", address, "--num-threads", "1", *common, *flags,
                 ], node_env)
                 router_argv += ["--node", f"{node_id}={address}"]
             router_env = {
                 k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_KV_FAULTS")
             }
             self._start("router", router_argv, router_env)
-            self._wait_ready([f"{role}-{self.tag}" for role, _, _ in roles], ready_timeout_s)
+            self._wait_ready([f"{role}-{self.tag}" for role, _ in roles], ready_timeout_s)
         except BaseException:
             self.close()
             raise

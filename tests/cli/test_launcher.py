@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pdserve.commands.launcher import free_port
-from tests.fault_checks import alive, children_of
+from tests.fault_checks import alive, children_of, live_nodes, wait_until
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
@@ -39,6 +39,9 @@ def test_signal_stops_every_process_the_launcher_started(tiny_llama_dir, signum,
             assert ready_line, "the launcher exited before it was ready"
         assert f"http://127.0.0.1:{port}/v1" in ready_line
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        # Ready means one node can serve (a decode node computes prompts itself meanwhile);
+        # the prefill node may still be loading, and this test stops both once they serve.
+        wait_until(lambda: len(live_nodes(f"http://127.0.0.1:{port}")) == 2, 120, "2 live nodes")
         # MODEL as a path is served by its folder's name (as the README's request names it).
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"]
         assert [card["id"] for card in models] == [tiny_llama_dir.name]
