@@ -26,7 +26,10 @@ from pdserve.router.cluster.queue_delay import PromptQueues
 def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:
     return max(
         nodes,
-        key=lambda n: (n.stats.num_free_blocks - n.promised_blocks, -n.stats.num_running),
+        key=lambda n: (
+            n.stats.kv.num_free_blocks - n.promised_blocks,
+            -n.stats.scheduling.num_running,
+        ),
         default=None,
     )
 
@@ -56,7 +59,7 @@ class PrefillRouter:
         (`remember` it once the prompt was sent there)."""
         if not nodes:
             return None
-        block_size = nodes[0].stats.block_size or 16
+        block_size = nodes[0].stats.identity.block_size or 16
         hashes = block_hashes(token_ids, block_size)
 
         def cached_blocks(node: NodeState) -> int:
@@ -81,7 +84,7 @@ class PrefillRouter:
     def remember(self, node: NodeState, token_ids: list[int]) -> None:
         """The prompt was sent to `node`: its blocks are (soon) in that node's cache."""
         known = self.index.setdefault(node.address, OrderedDict())
-        for value in block_hashes(token_ids, node.stats.block_size or 16):
+        for value in block_hashes(token_ids, node.stats.identity.block_size or 16):
             known[value] = None
             known.move_to_end(value)
         while len(known) > self.max_blocks_per_node:
