@@ -45,7 +45,7 @@ import enum
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.decode_node.borrowed_threads import BorrowedThreads
@@ -57,6 +57,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation, check_request_id, choice_params
 from pdserve.node.runtime import IDLE_POLL_MS, NodeRuntime, refuse_tensor_parallel_on_gpu
 from pdserve.wire.messages import Abort, Generate, PrefillDone, PrefillRequest, RequestFailed
+from pdserve.wire.node_stats import KvTransferTotals, SchedulingStats, TokenTotals
 from pdserve.wire.roles import Role
 from pdserve.wire.sampling_params import SamplingParams
 
@@ -123,14 +124,20 @@ class DecodeNode(NodeRuntime):
             engine_config.num_threads, config.threads_while_prefill_idle
         )
 
-    def stats_fields(self) -> dict[str, Any]:
-        return {
-            **self.generation.stats_fields(),
-            "num_waiting": len(self.engine.scheduler.waiting) + len(self.pending),
-            "model_fingerprint": self.fingerprint,
-            "kv_transfer_failures_total": self.transfer_failures,
-            "preallocation_wait_seconds_total": self.preallocation_wait_s,
-        }
+    def scheduling_stats(self) -> SchedulingStats:
+        """The engine's, with the requests waiting for blocks or their transfer counted as
+        waiting."""
+        stats = super().scheduling_stats()
+        return replace(stats, num_waiting=stats.num_waiting + len(self.pending))
+
+    def token_totals(self) -> TokenTotals:
+        return self.generation.token_totals()
+
+    def kv_transfer_totals(self) -> KvTransferTotals:
+        return KvTransferTotals(
+            failures_total=self.transfer_failures,
+            preallocation_wait_seconds_total=self.preallocation_wait_s,
+        )
 
     def idle(self) -> bool:
         return not self.pending and super().idle()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
@@ -434,26 +434,6 @@ class LLMEngine:
         if not held:
             self.scheduler.add_running(seq)
         return None
-
-    def scheduling_stats(self) -> dict[str, Any]:
-        """Preemptions by cure, swapped bytes, queue wait by priority, prompt tokens computed
-        and copy-on-write block copies (NodeStats fields)."""
-        by_mode = self.scheduler.num_preemptions_by_mode
-        swap = self.swap_space
-        return {
-            "num_swap_preemptions": by_mode["swap"],
-            "num_recompute_preemptions": by_mode["recompute"],
-            "swap_out_bytes_total": swap.bytes_out_total if swap else 0,
-            "swap_in_bytes_total": swap.bytes_in_total if swap else 0,
-            "prompt_tokens_computed_total": self.num_prompt_tokens_computed,
-            "kv_block_copies_total": self.block_manager.num_copied_blocks,
-            "queue_wait_seconds_by_priority": {
-                str(p): s for p, s in self.queue_wait.seconds_by_priority.items()
-            },
-            "queue_wait_requests_by_priority": {
-                str(p): n for p, n in self.queue_wait.count_by_priority.items()
-            },
-        }
 
     def warm_up(
         self, max_tokens: int = WARM_UP_MAX_TOKENS, kernel_variants: bool | None = None

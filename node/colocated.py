@@ -15,6 +15,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.generation import Generation
 from pdserve.node.runtime import NodeRuntime
 from pdserve.wire.messages import Abort, Generate
+from pdserve.wire.node_stats import TokenTotals
 from pdserve.wire.roles import Role
 
 
@@ -40,5 +41,5 @@ class ColocatedNode(NodeRuntime):
         for message in self.generation.step():
             self.send(message)
 
-    def stats_fields(self) -> dict[str, Any]:
-        return self.generation.stats_fields()
+    def token_totals(self) -> TokenTotals:
+        return self.generation.token_totals()

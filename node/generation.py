@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from pdserve.engine.distributed.group import RankFailure
 from pdserve.engine.forks import join_prefilled_choices
@@ -43,6 +42,7 @@ from pdserve.wire.messages import (
     TokenBatch,
     TokenUpdate,
 )
+from pdserve.wire.node_stats import TokenTotals
 from pdserve.wire.sampling_params import SamplingParams
 from pdserve.wire.structured_output import GrammarError
 
@@ -262,8 +262,5 @@ class Generation:
         self.active.clear()
         return failed
 
-    def stats_fields(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-        }
+    def token_totals(self) -> TokenTotals:
+        return TokenTotals(self.prompt_tokens_total, self.generation_tokens_total)

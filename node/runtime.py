@@ -22,7 +22,10 @@ Loop (`run()` until `stop()`):
   4. Leak self-check, at most once per `heartbeat_interval` while the node is `idle()` (no
      request or transfer in flight): the count of blocks still in use, which nothing may hold
      when idle, and `engine.check_integrity()` (an error is logged and counts as a leak);
-     NodeStats reports it as `num_leaked_blocks` (the router exports it; it must stay 0).
+     NodeStats reports it as `kv.num_leaked_blocks` (the router exports it; it must stay 0).
+NodeStats is built from typed parts (wire/node_stats.py), each from its producer: the identity
+here, the engine's scheduling and KV cache (engine/stats_report.py), and the roles' hooks
+`scheduling_stats()`, `token_totals()` and `kv_transfer_totals()`.
 Sends never block: messages a PUSH socket cannot take now wait in one ordered outbox and are
 retried every iteration; NodeStats are skipped while the outbox is not empty.
 With a cluster secret (`cluster_auth`, wire/cluster_auth.py) the PULL socket is a CURVE
@@ -40,6 +43,7 @@ from typing import Any, ClassVar
 
 import zmq
 
+from pdserve.engine import stats_report
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.config import NodeConfig
@@ -53,6 +57,7 @@ from pdserve.wire.messages import (
     decode,
     encode,
 )
+from pdserve.wire.node_stats import KvTransferTotals, NodeIdentity, SchedulingStats, TokenTotals
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +99,7 @@ class NodeRuntime:
         self.instance_id = uuid.uuid4().hex[:16]
         self.advertise_address = config.reachable_address
         self.num_leaked_blocks = 0
+        self.fingerprint = ""  # the model's KV layout, set by the roles that move KV
         self._stop = threading.Event()
         self._outbox: collections.deque[tuple[Any, bytes]] = collections.deque()
         self._peers: dict[str, Any] = {}
@@ -118,9 +124,18 @@ class NodeRuntime:
         """How long the loop may wait for a message: 0 while there is work to do."""
         return 0 if self.busy() else IDLE_POLL_MS
 
-    def stats_fields(self) -> dict[str, Any]:
-        """Role-specific NodeStats fields."""
-        return {}
+    def scheduling_stats(self) -> SchedulingStats:
+        """NodeStats' `scheduling`: the engine's; a role that holds requests before the engine
+        counts them as waiting too."""
+        return stats_report.scheduling_stats(self.engine)
+
+    def token_totals(self) -> TokenTotals:
+        """NodeStats' `tokens`: a role that generates counts its requests' tokens."""
+        return TokenTotals()
+
+    def kv_transfer_totals(self) -> KvTransferTotals:
+        """NodeStats' `kv_transfer`: a role that moves KV counts its transfers."""
+        return KvTransferTotals()
 
     def shutdown(self) -> None:
         """Called once when the loop ends, before the sockets close: stops the engine's worker
@@ -221,36 +236,29 @@ class NodeRuntime:
 
     # -- outbound ----------------------------------------------------------------------------
 
-    def stats(self) -> NodeStats:
+    def identity(self) -> NodeIdentity:
         engine = self.engine
-        cache_stats = engine.block_manager.prefix_cache.stats
-        fields = {
-            "node_id": self.node_id,
-            "role": self.role,
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.model_config.vocab_size,
-            "num_waiting": len(engine.scheduler.waiting),
-            "num_running": len(engine.scheduler.running),
-            "num_free_blocks": engine.block_manager.num_free_blocks,
-            "num_total_blocks": engine.block_manager.num_blocks,
-            "num_preemptions": engine.scheduler.num_preemptions,
-            **engine.scheduling_stats(),
-            "prompt_tokens_total": 0,
-            "generation_tokens_total": 0,
-            "num_cached_blocks": engine.block_manager.num_cached_blocks,
-            "prefix_cache_queries_total": cache_stats.queries,
-            "prefix_cache_hits_total": cache_stats.hits,
-            "prefix_cache_evicted_blocks_total": cache_stats.evicted_blocks,
-            "listen_address": self.advertise_address,
-            "block_size": engine.config.block_size,
-            "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "instance_id": self.instance_id,
-            "num_leaked_blocks": self.num_leaked_blocks,
-            "prefill_tokens_per_s": engine.preemption.measured_prefill_tokens_per_s,
-            "tensor_parallel_size": engine.config.tensor_parallel_size,
-        }
-        fields.update(self.stats_fields())
-        return NodeStats(**fields)
+        return NodeIdentity(
+            node_id=self.node_id,
+            role=self.role,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            instance_id=self.instance_id,
+            listen_address=self.advertise_address,
+            model_fingerprint=self.fingerprint,
+            dtype=str(engine.runner.dtype).removeprefix("torch."),
+            block_size=engine.config.block_size,
+            tensor_parallel_size=engine.config.tensor_parallel_size,
+        )
+
+    def stats(self) -> NodeStats:
+        return NodeStats(
+            identity=self.identity(),
+            scheduling=self.scheduling_stats(),
+            kv=stats_report.kv_cache_stats(self.engine, self.num_leaked_blocks),
+            tokens=self.token_totals(),
+            kv_transfer=self.kv_transfer_totals(),
+        )
 
     def send_stats(self) -> None:
         """Droppable: skipped while results wait, dropped if the pipe is full."""

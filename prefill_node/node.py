@@ -54,6 +54,7 @@ from pdserve.wire.messages import (
     TokenBatch,
     TokenUpdate,
 )
+from pdserve.wire.node_stats import KvTransferTotals
 from pdserve.wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -96,13 +97,12 @@ class PrefillNode(NodeRuntime):
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
 
-    def stats_fields(self) -> dict[str, Any]:
-        return {
-            "model_fingerprint": self.fingerprint,
-            "kv_transfer_failures_total": self.transfer_failures,
-            "kv_transfer_bytes_total": self.transfer_bytes,
-            "kv_transfer_seconds_total": self.transfer_seconds,
-        }
+    def kv_transfer_totals(self) -> KvTransferTotals:
+        return KvTransferTotals(
+            bytes_total=self.transfer_bytes,
+            seconds_total=self.transfer_seconds,
+            failures_total=self.transfer_failures,
+        )
 
     def busy(self) -> bool:
         return self.prefill.has_work() or bool(self.requests)

@@ -21,7 +21,7 @@ queue time and e2e latency per request (only requests answered in full).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -53,44 +53,57 @@ _ITL_BUCKETS = (*_TPOT_BUCKETS, 2.5, 5.0, 10.0)
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
 
 
-_NODE_COUNTERS = (
-    ("pdserve_num_preemptions", "Preemptions on the node so far", "num_preemptions"),
+# Each node counter: its name, its help, and where NodeStats keeps it.
+_NODE_COUNTERS: tuple[tuple[str, str, Callable[[NodeStats], float]], ...] = (
+    (
+        "pdserve_num_preemptions",
+        "Preemptions on the node so far",
+        lambda stats: stats.scheduling.num_preemptions,
+    ),
     (
         "pdserve_prefix_cache_queries",
         "Prompt tokens looked up in the node's prefix cache",
-        "prefix_cache_queries_total",
+        lambda stats: stats.kv.prefix_cache_queries_total,
     ),
     (
         "pdserve_prefix_cache_hits",
         "Prompt tokens served from the node's prefix cache",
-        "prefix_cache_hits_total",
+        lambda stats: stats.kv.prefix_cache_hits_total,
     ),
     (
         "pdserve_prefix_cache_evicted_blocks",
         "KV blocks evicted from the node's prefix cache",
-        "prefix_cache_evicted_blocks_total",
+        lambda stats: stats.kv.prefix_cache_evicted_blocks_total,
     ),
     (
         "pdserve_prompt_tokens_computed",
         "Prompt tokens the node computed (prefill; n choices of a prompt compute it once)",
-        "prompt_tokens_computed_total",
+        lambda stats: stats.scheduling.prompt_tokens_computed_total,
     ),
     (
         "pdserve_kv_block_copies",
         "KV blocks copied on write (choices forked from one prompt appending to a shared block)",
-        "kv_block_copies_total",
+        lambda stats: stats.kv.block_copies_total,
     ),
-    ("pdserve_kv_transfer_bytes", "KV bytes sent to decode nodes", "kv_transfer_bytes_total"),
+    (
+        "pdserve_kv_transfer_bytes",
+        "KV bytes sent to decode nodes",
+        lambda stats: stats.kv_transfer.bytes_total,
+    ),
     (
         "pdserve_kv_transfer_seconds",
         "Time from a transfer's first write to its completion, summed",
-        "kv_transfer_seconds_total",
+        lambda stats: stats.kv_transfer.seconds_total,
     ),
-    ("pdserve_kv_transfer_failures", "KV transfers that failed", "kv_transfer_failures_total"),
+    (
+        "pdserve_kv_transfer_failures",
+        "KV transfers that failed",
+        lambda stats: stats.kv_transfer.failures_total,
+    ),
     (
         "pdserve_preallocation_wait_seconds",
         "Time requests waited for a decode node to reserve their KV blocks, summed",
-        "preallocation_wait_seconds_total",
+        lambda stats: stats.kv_transfer.preallocation_wait_seconds_total,
     ),
 )
 
@@ -103,10 +116,10 @@ class NodeTotalsCollector:
         self.up: dict[str, tuple[str, bool]] = {}  # node -> (role, alive)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        for name, documentation, field in _NODE_COUNTERS:
+        for name, documentation, value in _NODE_COUNTERS:
             family = CounterMetricFamily(name, documentation, labels=["node"])
             for node, stats in self.latest.items():
-                family.add_metric([node], getattr(stats, field))
+                family.add_metric([node], value(stats))
             yield family
         cached = GaugeMetricFamily(
             "pdserve_prefix_cache_blocks",
@@ -133,13 +146,13 @@ class NodeTotalsCollector:
             up.add_metric([node, role], 1.0 if alive else 0.0)
         by_role: dict[str, int] = {}
         for node, stats in self.latest.items():
-            leaked.add_metric([node], stats.num_leaked_blocks)
-            cached.add_metric([node], stats.num_cached_blocks)
-            queries = stats.prefix_cache_queries_total
-            hit_ratio.add_metric(
-                [node], stats.prefix_cache_hits_total / queries if queries else 0.0
-            )
-            by_role[stats.role] = by_role.get(stats.role, 0) + stats.num_waiting
+            kv = stats.kv
+            leaked.add_metric([node], kv.num_leaked_blocks)
+            cached.add_metric([node], kv.num_cached_blocks)
+            queries = kv.prefix_cache_queries_total
+            hit_ratio.add_metric([node], kv.prefix_cache_hits_total / queries if queries else 0.0)
+            role = stats.identity.role
+            by_role[role] = by_role.get(role, 0) + stats.scheduling.num_waiting
         for role, count in by_role.items():
             waiting.add_metric([role], count)
         yield cached
@@ -324,10 +337,10 @@ class RouterMetrics:
         self.e2e_request_latency.observe(now - arrived_at)
 
     def observe_node(self, name: str, stats: NodeStats) -> None:
-        self.num_requests_waiting.labels(name).set(stats.num_waiting)
-        self.num_requests_running.labels(name).set(stats.num_running)
-        total = stats.num_total_blocks
-        used = (total - stats.num_free_blocks) / total if total > 0 else 0.0
+        self.num_requests_waiting.labels(name).set(stats.scheduling.num_waiting)
+        self.num_requests_running.labels(name).set(stats.scheduling.num_running)
+        total = stats.kv.num_total_blocks
+        used = (total - stats.kv.num_free_blocks) / total if total > 0 else 0.0
         self.kv_cache_usage_ratio.labels(name).set(used)
         self.node_totals.latest[name] = stats
 

@@ -104,7 +104,8 @@ class RouterState:
         node = self.client.live_node()
         if node is None:
             raise APIError(503, "No inference node is available; try again later.")
-        return node.stats.max_model_len, node.stats.vocab_size
+        identity = node.stats.identity
+        return identity.max_model_len, identity.vocab_size
 
     def limits_now(self) -> Limits:
         """`limits()` read now, on the event loop (it reads the node registry), as a function
@@ -150,7 +151,7 @@ class RouterState:
             serving, prefill = registry.live(Role.COLOCATED), []
         stats = [n.stats for n in (*serving, *prefill)]
         return KVCapacity(
-            block_size=max((s.block_size for s in stats), default=0),
-            serving_blocks=max((n.stats.num_total_blocks for n in serving), default=0),
-            prefill_blocks=max((n.stats.num_total_blocks for n in prefill), default=None),
+            block_size=max((s.identity.block_size for s in stats), default=0),
+            serving_blocks=max((n.stats.kv.num_total_blocks for n in serving), default=0),
+            prefill_blocks=max((n.stats.kv.num_total_blocks for n in prefill), default=None),
         )

@@ -1,21 +1,22 @@
 """Wire messages between the router and the nodes: msgpack maps, nothing executable.
 
 Every message is a small dataclass with a `type` tag. `encode(message) -> bytes` packs its
-fields (nested messages as maps, SamplingParams as its wire map); `decode(data) -> message`
-unpacks with size limits, looks the tag up, and checks every field's type before constructing
-the dataclass, building its nested messages and its SamplingParams (checked as at
-construction) the same way, raising `ProtocolError` on anything malformed or unknown
-(receivers log and drop such messages; they never crash on them).
+fields (nested messages and NodeStats' parts as maps, SamplingParams as its wire map);
+`decode(data) -> message` unpacks with size limits, looks the tag up, and checks every field's
+type before constructing the dataclass, building its nested messages, its parts and its
+SamplingParams (checked as at construction) the same way, raising `ProtocolError` on anything
+malformed or unknown (receivers log and drop such messages; they never crash on them).
 
 Flows, colocated mode:
   router -> node     Generate, Abort
   node -> router     TokenBatch (after every engine step that produced tokens), PromptProgress
                      (after every step that computed a chunk of a prompt without finishing it),
                      RequestFailed,
-                     NodeStats (between engine steps, every heartbeat interval; with its listen
-                     address it registers a node the router did not know; a new `instance_id`
-                     under a known node id means the node was restarted; `num_leaked_blocks`
-                     is the node's idle-time block leak check),
+                     NodeStats (between engine steps, every heartbeat interval, in typed
+                     parts: wire/node_stats.py; with its `identity.listen_address` it registers
+                     a node the router did not know; a new `identity.instance_id` under a known
+                     node id means the node was restarted; `kv.num_leaked_blocks` is the
+                     node's idle-time block leak check),
                      Heartbeat (every heartbeat interval from a thread of its own, during long
                      engine steps too); either one tells the router the node is alive
 Disaggregated mode adds:
@@ -47,6 +48,14 @@ from typing import Any, ClassVar
 import msgpack
 
 from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
+from pdserve.wire.node_stats import (
+    NODE_STATS_PARTS,
+    KvCacheStats,
+    KvTransferTotals,
+    NodeIdentity,
+    SchedulingStats,
+    TokenTotals,
+)
 from pdserve.wire.sampling_params import SamplingError, SamplingParams
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -193,42 +202,16 @@ class RequestFailed:
 
 @dataclass
 class NodeStats:
+    """Node -> router, between engine steps and every heartbeat interval: the node's state in
+    typed parts, each from one producer (wire/node_stats.py). A role without generation or KV
+    transfers sends those parts' zero defaults."""
+
     type: ClassVar[str] = "node_stats"
-    node_id: str
-    role: str
-    max_model_len: int
-    vocab_size: int
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_cached_blocks: int = 0
-    prefix_cache_queries_total: int = 0
-    prefix_cache_hits_total: int = 0
-    prefix_cache_evicted_blocks_total: int = 0
-    listen_address: str = ""
-    model_fingerprint: str = ""
-    dtype: str = ""
-    block_size: int = 0
-    kv_transfer_bytes_total: int = 0
-    kv_transfer_seconds_total: float = 0.0
-    kv_transfer_failures_total: int = 0
-    preallocation_wait_seconds_total: float = 0.0
-    instance_id: str = ""
-    num_leaked_blocks: int = 0
-    prompt_tokens_computed_total: int = 0
-    kv_block_copies_total: int = 0
-    num_swap_preemptions: int = 0
-    num_recompute_preemptions: int = 0
-    swap_out_bytes_total: int = 0
-    swap_in_bytes_total: int = 0
-    queue_wait_seconds_by_priority: dict[str, float] = field(default_factory=dict)
-    queue_wait_requests_by_priority: dict[str, int] = field(default_factory=dict)
-    prefill_tokens_per_s: float = 0.0  # measured; 0.0: not yet
-    tensor_parallel_size: int = 1
+    identity: NodeIdentity
+    scheduling: SchedulingStats
+    kv: KvCacheStats
+    tokens: TokenTotals = field(default_factory=TokenTotals)
+    kv_transfer: KvTransferTotals = field(default_factory=KvTransferTotals)
 
 
 @dataclass
@@ -269,6 +252,8 @@ def _wire_map(message: Any) -> dict[str, Any]:
 def _wire_value(value: Any) -> Any:
     if isinstance(value, SamplingParams):
         return value.to_wire()
+    if type(value) in _PARTS.values():
+        return _wire_map(value)
     if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
         return [_wire_map(item) for item in value]
     return value
@@ -314,15 +299,19 @@ _NESTED: dict[str, tuple[type, int | None]] = {
     "list[Choice]": (Choice, MAX_CHOICES_PER_PROMPT),
     "list[ChoiceToken]": (ChoiceToken, MAX_CHOICES_PER_PROMPT),
 }
+# Nested parts, one map each, by their field's annotation (NodeStats' parts).
+_PARTS: dict[str, type] = {part.__name__: part for part in NODE_STATS_PARTS}
 
 
 def _build(cls: type, fields: Any) -> Any:
-    """`build_message` after building the map's nested messages and sampling settings."""
+    """`build_message` after building the map's nested messages, parts and sampling settings."""
     if isinstance(fields, dict):
         for spec in dataclasses.fields(cls):
             value = fields.get(spec.name)
             if spec.type == "SamplingParams" and spec.name in fields:
                 fields[spec.name] = _sampling(cls, value)
+            elif spec.type in _PARTS and spec.name in fields:
+                fields[spec.name] = _build(_PARTS[spec.type], value)
             elif spec.type in _NESTED and isinstance(value, list):
                 nested, most = _NESTED[spec.type]
                 if most is not None and len(value) > most:
@@ -389,6 +378,8 @@ def _matches(value: Any, annotation: str) -> bool:
         )
     if annotation == "SamplingParams":
         return isinstance(value, SamplingParams)
+    if annotation in _PARTS:
+        return isinstance(value, _PARTS[annotation])
     if annotation.startswith("list["):
         return isinstance(value, list)
     if annotation.startswith("dict["):

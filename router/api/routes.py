@@ -83,7 +83,7 @@ def _model_card(state: RouterState) -> dict[str, Any]:
         "parent": None,
     }
     if node is not None:
-        card["max_model_len"] = node.stats.max_model_len
+        card["max_model_len"] = node.stats.identity.max_model_len
     return card
 
 

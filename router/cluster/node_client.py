@@ -299,7 +299,8 @@ class NodeClient:
 
     def _send_message(self, node: NodeState, message: Generate, prefill: NodeState | None) -> None:
         self.links.send(node, message)
-        node.promised_blocks += -(-len(message.prompt_token_ids) // (node.stats.block_size or 16))
+        block_size = node.stats.identity.block_size or 16
+        node.promised_blocks += -(-len(message.prompt_token_ids) // block_size)
         if prefill is not None or node.role == Role.DECODE:  # where its blocks are now cached
             self.prefill_router.remember(prefill or node, message.prompt_token_ids)
 

@@ -2,10 +2,11 @@
 liveness, and the pairing check.
 
 A node is known from a configured address (`[ID=]tcp://host:port`, bound to the first
-heartbeat that claims it) or from a heartbeat carrying a `listen_address` the router has not
-seen (a node started on another host joins this way). A heartbeat with a new `instance_id`
-under a known node id is a restarted node: `on_restart(node)` lets the caller drop what it had
-sent the previous process. Its role (colocated, prefill, decode) comes from its stats.
+heartbeat that claims it) or from a heartbeat carrying a listen address the router has not
+seen (a node started on another host joins this way). A heartbeat with a new instance id under
+a known node id is a restarted node: `on_restart(node)` lets the caller drop what it had sent
+the previous process. These, and its role (colocated, prefill, decode), come from its
+NodeStats' `identity`.
 
 Liveness: slow is not dead. A node is down when its process is gone or when it has made no
 progress for `node_timeout_s` (default 30 s), never because one heartbeat came late:
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.wire.messages import Heartbeat, NodeStats
+from pdserve.wire.node_stats import NodeIdentity
 from pdserve.wire.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ class NodeState:
 
     @property
     def role(self) -> str | None:
-        return self.stats.role if self.stats is not None else None
+        return self.stats.identity.role if self.stats is not None else None
 
     def alive(self, now: float, timeout_s: float) -> bool:
         return (
@@ -130,25 +132,28 @@ class NodeRegistry:
 
     def record(self, stats: NodeStats) -> NodeState | None:
         """Stores a node's heartbeat; registers a node that joins with its listen address."""
-        node = self._find(stats)
+        identity = stats.identity
+        node = self._find(identity)
         if node is None:
-            logger.warning("stats from unknown node %r ignored", stats.node_id)
+            logger.warning("stats from unknown node %r ignored", identity.node_id)
             return None
-        if stats.role not in ROLES:
-            logger.warning("node %s reports an unknown role %r", stats.node_id, stats.role)
+        if identity.role not in ROLES:
+            logger.warning("node %s reports an unknown role %r", identity.node_id, identity.role)
             return None
         previous = node.stats
         if previous is None:
-            node.refused = self._pairing_problem(stats)
+            node.refused = self._pairing_problem(identity)
             if node.refused:
-                logger.error("refused node %s: %s", stats.node_id, node.refused)
+                logger.error("refused node %s: %s", identity.node_id, node.refused)
             else:
-                logger.info("node %s (%s) joined at %s", stats.node_id, stats.role, node.address)
+                logger.info(
+                    "node %s (%s) joined at %s", identity.node_id, identity.role, node.address
+                )
         node.stats = stats
         node.last_seen = self.clock()
         node.promised_blocks = 0
-        if previous is not None and previous.instance_id != stats.instance_id:
-            logger.warning("node %s (%s) was restarted", stats.node_id, stats.role)
+        if previous is not None and previous.identity.instance_id != identity.instance_id:
+            logger.warning("node %s (%s) was restarted", identity.node_id, identity.role)
             if self.on_restart is not None:
                 self.on_restart(node)
         return node
@@ -178,46 +183,47 @@ class NodeRegistry:
         """A node process says it is alive (between its NodeStats)."""
         node = next((n for n in self.nodes if n.node_id == heartbeat.node_id), None)
         stats = node.stats if node is not None else None
-        if stats is not None and stats.instance_id == heartbeat.instance_id:
+        if stats is not None and stats.identity.instance_id == heartbeat.instance_id:
             node.last_seen = self.clock()
 
-    def _find(self, stats: NodeStats) -> NodeState | None:
-        node = next((n for n in self.nodes if n.node_id == stats.node_id), None)
+    def _find(self, identity: NodeIdentity) -> NodeState | None:
+        node = next((n for n in self.nodes if n.node_id == identity.node_id), None)
         if node is not None:
             return node
-        if stats.listen_address:
-            node = next((n for n in self.nodes if n.address == stats.listen_address), None)
+        if identity.listen_address:
+            node = next((n for n in self.nodes if n.address == identity.listen_address), None)
             if node is None:
-                node = NodeState(stats.listen_address)
+                node = NodeState(identity.listen_address)
                 self.connect(node)
                 self.nodes.append(node)
         else:
             node = next((n for n in self.nodes if n.node_id is None), None)
         if node is not None:
-            node.node_id = stats.node_id
+            node.node_id = identity.node_id
         return node
 
-    def _pairing_problem(self, stats: NodeStats) -> str | None:
-        return self._model_problem(stats) or self._kv_shards_problem(stats)
+    def _pairing_problem(self, identity: NodeIdentity) -> str | None:
+        return self._model_problem(identity) or self._kv_shards_problem(identity)
 
-    def _kv_shards_problem(self, stats: NodeStats) -> str | None:
-        if stats.role == Role.COLOCATED:
+    def _kv_shards_problem(self, identity: NodeIdentity) -> str | None:
+        if identity.role == Role.COLOCATED:
             return None
+        size = identity.tensor_parallel_size
         if self.kv_shards_reference is None:
-            self.kv_shards_reference = stats.tensor_parallel_size
+            self.kv_shards_reference = size
             return None
-        if stats.tensor_parallel_size != self.kv_shards_reference:
+        if size != self.kv_shards_reference:
             return (
-                f"its tensor_parallel_size is {stats.tensor_parallel_size} but the other prefill "
+                f"its tensor_parallel_size is {size} but the other prefill "
                 f"and decode nodes have {self.kv_shards_reference}: each prefill rank writes its "
                 "KV shard to the same decode rank"
             )
         return None
 
-    def _model_problem(self, stats: NodeStats) -> str | None:
-        if not stats.model_fingerprint:
+    def _model_problem(self, identity: NodeIdentity) -> str | None:
+        if not identity.model_fingerprint:
             return None
-        mine = (stats.model_fingerprint, stats.dtype, stats.block_size)
+        mine = (identity.model_fingerprint, identity.dtype, identity.block_size)
         if self.reference is None:
             self.reference = mine
             return None

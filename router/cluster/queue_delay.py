@@ -22,8 +22,8 @@ way to the first token (scheduling, transfers, a busy host) and averages over th
 which a batched prefill step starts many requests at once; idle time is no evidence and does not count. Until it has
 seen `MIN_DRAIN_TOKENS` start over `MIN_DRAIN_S` of busy time (a few short requests measure
 their latency, not the node's throughput), the speed is the one the node measured itself
-(NodeStats `prefill_tokens_per_s`, from its warm-up and its steps; 0 = not known, and then the
-backlog term is 0).
+(NodeStats `scheduling.prefill_tokens_per_s`, from its warm-up and its steps; 0 = not known, and
+then the backlog term is 0).
 `NodeClient.submit` refuses (429, `QueueDelayBound` in router/cluster/admission.py) a request
 whose predicted delay exceeds `max_queue_delay_s`,
 before anything is sent, so under any burst a client is told no at once instead of after a
@@ -197,7 +197,7 @@ class PromptQueues:
         observed = meter.tokens_per_s if meter is not None else None
         if observed is not None:
             return observed
-        return node.stats.prefill_tokens_per_s if node.stats is not None else 0.0
+        return node.stats.scheduling.prefill_tokens_per_s if node.stats is not None else 0.0
 
     def delay(self, node: NodeState, num_tokens: int, now: float) -> QueueDelay | None:
         """The predicted queue delay of a new request of `num_tokens` at `node`; None when

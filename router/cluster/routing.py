@@ -27,7 +27,10 @@ from pdserve.router.cluster.queue_delay import PromptQueues
 def pick_decode_node(nodes: list[NodeState]) -> NodeState | None:
     return max(
         nodes,
-        key=lambda n: (n.stats.num_free_blocks - n.promised_blocks, -n.stats.num_running),
+        key=lambda n: (
+            n.stats.kv.num_free_blocks - n.promised_blocks,
+            -n.stats.scheduling.num_running,
+        ),
         default=None,
     )
 
@@ -57,7 +60,7 @@ class PrefillRouter:
         (`remember` it once the prompt was sent there)."""
         if not nodes:
             return None
-        block_size = nodes[0].stats.block_size or 16
+        block_size = nodes[0].stats.identity.block_size or 16
         hashes = block_hashes(token_ids, block_size)
         queued = self.queues.tokens
         matches = {node.address: self._cached_blocks(node, hashes) for node in nodes}
@@ -72,7 +75,7 @@ class PrefillRouter:
 
     def cached_tokens(self, node: NodeState, token_ids: list[int]) -> int:
         """How many leading tokens of the prompt `node` likely has cached."""
-        block_size = node.stats.block_size or 16
+        block_size = node.stats.identity.block_size or 16
         return self._cached_blocks(node, block_hashes(token_ids, block_size)) * block_size
 
     def _cached_blocks(self, node: NodeState, hashes: list[int]) -> int:
@@ -85,7 +88,7 @@ class PrefillRouter:
     def remember(self, node: NodeState, token_ids: list[int]) -> None:
         """The prompt was sent to `node`: its blocks are (soon) in that node's cache."""
         known = self.index.setdefault(node.address, OrderedDict())
-        for value in block_hashes(token_ids, node.stats.block_size or 16):
+        for value in block_hashes(token_ids, node.stats.identity.block_size or 16):
             known[value] = None
             known.move_to_end(value)
         while len(known) > self.max_blocks_per_node:

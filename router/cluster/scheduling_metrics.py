@@ -1,5 +1,5 @@
 """Scheduling metrics the nodes keep (preemptions by cure, swapped bytes, queue wait by
-priority), exposed from each node's latest NodeStats."""
+priority), exposed from each node's latest NodeStats (its `scheduling` part)."""
 
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ class SchedulingCollector:
             labels=["node", "priority"],
         )
         for node, stats in self.latest.items():
-            preemptions.add_metric([node, "recompute"], stats.num_recompute_preemptions)
-            preemptions.add_metric([node, "swap"], stats.num_swap_preemptions)
-            swapped.add_metric([node, "out"], stats.swap_out_bytes_total)
-            swapped.add_metric([node, "in"], stats.swap_in_bytes_total)
-            for priority, seconds in _numbers(stats.queue_wait_seconds_by_priority):
+            scheduling = stats.scheduling
+            preemptions.add_metric([node, "recompute"], scheduling.num_recompute_preemptions)
+            preemptions.add_metric([node, "swap"], scheduling.num_swap_preemptions)
+            swapped.add_metric([node, "out"], scheduling.swap_out_bytes_total)
+            swapped.add_metric([node, "in"], scheduling.swap_in_bytes_total)
+            for priority, seconds in _numbers(scheduling.queue_wait_seconds_by_priority):
                 wait_seconds.add_metric([node, priority], seconds)
-            for priority, count in _numbers(stats.queue_wait_requests_by_priority):
+            for priority, count in _numbers(scheduling.queue_wait_requests_by_priority):
                 wait_requests.add_metric([node, priority], count)
         yield preemptions
         yield swapped

@@ -41,10 +41,10 @@ class _Counters:
     @classmethod
     def of(cls, stats: NodeStats) -> _Counters:
         return cls(
-            stats.prompt_tokens_computed_total,
-            stats.generation_tokens_total,
-            stats.prefix_cache_queries_total,
-            stats.prefix_cache_hits_total,
+            stats.scheduling.prompt_tokens_computed_total,
+            stats.tokens.generation_total,
+            stats.kv.prefix_cache_queries_total,
+            stats.kv.prefix_cache_hits_total,
         )
 
     def since(self, previous: _Counters) -> _Counters:
@@ -95,17 +95,18 @@ def _line_fields(
 ) -> dict[str, Any] | None:
     """The line's fields; None for a node that had no traffic."""
     moved = increase.prompt_tokens or increase.generation_tokens or increase.cache_queries
-    if not (moved or stats.num_running or stats.num_waiting):
+    scheduling, kv = stats.scheduling, stats.kv
+    if not (moved or scheduling.num_running or scheduling.num_waiting):
         return None
-    total = stats.num_total_blocks
+    total = kv.num_total_blocks
     return {
         "node": node,
-        "role": stats.role,
+        "role": stats.identity.role,
         "prompt_tokens_per_s": round(increase.prompt_tokens / elapsed_s, 1),
         "generation_tokens_per_s": round(increase.generation_tokens / elapsed_s, 1),
-        "running": stats.num_running,
-        "waiting": stats.num_waiting,
-        "kv_cache_usage": (total - stats.num_free_blocks) / total if total > 0 else 0.0,
+        "running": scheduling.num_running,
+        "waiting": scheduling.num_waiting,
+        "kv_cache_usage": (total - kv.num_free_blocks) / total if total > 0 else 0.0,
         "prefix_cache_hit_rate": (
             increase.cache_hits / increase.cache_queries if increase.cache_queries else 0.0
         ),

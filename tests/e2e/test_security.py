@@ -25,6 +25,7 @@ from pdserve.router.api.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import Heartbeat, NodeStats, encode
+from pdserve.wire.node_stats import KvCacheStats, NodeIdentity, SchedulingStats
 from tests.fault_checks import wait_until
 
 KEY = "test-key-4c1d"
@@ -131,11 +132,12 @@ def test_every_listening_socket_is_on_loopback(server):
 
 def node_stats(node_id: str) -> bytes:
     """A well-formed registration the router would log as refused (a foreign model)."""
-    return encode(NodeStats(
-        node_id, "prefill", 64, 512, 0, 0, 0, 0, 0, 0, 0,
+    identity = NodeIdentity(
+        node_id, "prefill", 64, 512,
         listen_address=f"tcp://127.0.0.1:{free_tcp_port()}", model_fingerprint=f"not-{node_id}",
         dtype="float32", block_size=16,
-    ))
+    )
+    return encode(NodeStats(identity, SchedulingStats(0, 0, 0), KvCacheStats(0, 0)))
 
 
 def free_tcp_port() -> int:

@@ -245,9 +245,11 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
             assert result["failed"] is None, (request_id, result["failed"])
             assert result["tokens"] == reference[request_id], request_id
         stats = router.wait(
-            NodeStats, lambda s: s.num_running == 0 and s.num_free_blocks == s.num_total_blocks
+            NodeStats,
+            lambda s: s.scheduling.num_running == 0
+            and s.kv.num_free_blocks == s.kv.num_total_blocks,
         )
-        assert stats.num_leaked_blocks == 0
+        assert stats.kv.num_leaked_blocks == 0
     finally:
         node.stop()
         thread.join(timeout=10)

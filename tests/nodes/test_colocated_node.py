@@ -30,6 +30,7 @@ from pdserve.wire.messages import (
     encode,
 )
 from tests.fault_checks import stop_process
+from tests.node_stats import node_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
@@ -115,8 +116,8 @@ def node(tiny_llama_dir, tmp_path_factory):
     )
     try:
         stats = router.wait(timeout=READY_TIMEOUT)
-        assert stats.role == "colocated" and stats.node_id == "node-0"
-        assert stats.num_free_blocks == stats.num_total_blocks == 128
+        assert stats.identity.role == "colocated" and stats.identity.node_id == "node-0"
+        assert stats.kv.num_free_blocks == stats.kv.num_total_blocks == 128
         yield router
     finally:
         stop_process(process, timeout_s=15)
@@ -160,14 +161,14 @@ def test_abort_stops_updates_and_frees_blocks(node):
         if isinstance(message, TokenBatch):
             assert all(u.finish_reason is None for u in message.updates)
             late_tokens += sum(len(u.token_ids) for u in message.updates)
-        elif isinstance(message, NodeStats) and message.num_running == 0:
+        elif isinstance(message, NodeStats) and message.scheduling.num_running == 0:
             break
     assert received + late_tokens < 500
-    assert message.num_free_blocks == message.num_total_blocks
-    assert message.num_waiting == 0
-    assert message.prompt_tokens_total >= sum(len(p) for p in PROMPTS) + 3
-    assert message.generation_tokens_total >= 16 * len(PROMPTS) + received + late_tokens
-    assert message.max_model_len == 1024 and message.vocab_size == 512
+    assert message.kv.num_free_blocks == message.kv.num_total_blocks
+    assert message.scheduling.num_waiting == 0
+    assert message.tokens.prompt_total >= sum(len(p) for p in PROMPTS) + 3
+    assert message.tokens.generation_total >= 16 * len(PROMPTS) + received + late_tokens
+    assert message.identity.max_model_len == 1024 and message.identity.vocab_size == 512
     with pytest.raises(TimeoutError):  # three more heartbeats, and no more tokens
         node.wait(TokenBatch, timeout=0.6)
 
@@ -184,7 +185,7 @@ def test_bad_requests_fail_and_garbage_is_dropped(node):
     node.push.send(raw_generate("bad-key", [5, 6], {"no_such_option": 1}))
     node.push.send(b"\xc1 definitely not msgpack")
     node.push.send(msgpack.packb({"type": "launch_missiles", "request_id": "x"}))
-    node.push.send(encode(NodeStats("x", "router", 1, 1, 0, 0, 0, 0, 0, 0, 0)))
+    node.push.send(encode(node_stats(node_id="x", role="router")))
     node.send(Generate("after-garbage", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3)))
     results = node.collect(["bad-token", "bad-max", "bad-key", "after-garbage"])
     failed = {r: results[r]["failed"] for r in ("bad-token", "bad-max", "bad-key")}
@@ -259,8 +260,8 @@ def test_engine_error_fails_in_flight_requests_and_node_survives(tiny_llama_dir)
         assert failed is not None and failed.status == 500
         router.send(Generate("survivor", [5, 6], params))
         assert len(router.collect(["survivor"])["survivor"]["tokens"]) == 8
-        stats = router.wait(NodeStats, lambda s: s.num_running == 0)
-        assert stats.num_free_blocks == stats.num_total_blocks
+        stats = router.wait(NodeStats, lambda s: s.scheduling.num_running == 0)
+        assert stats.kv.num_free_blocks == stats.kv.num_total_blocks
     finally:
         node.stop()
         thread.join(timeout=10)

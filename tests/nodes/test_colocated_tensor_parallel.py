@@ -44,7 +44,7 @@ def test_a_two_rank_colocated_node_serves_the_one_rank_tokens_and_stops_its_work
         workers = []
         try:
             stats = router.wait(timeout=READY_TIMEOUT)
-            assert stats.num_total_blocks == 64
+            assert stats.kv.num_total_blocks == 64
             workers = children(process.pid)
             assert len(workers) == 1  # rank 1; rank 0 is the node itself
             params = SamplingParams(temperature=0, max_tokens=12)

@@ -227,8 +227,8 @@ def test_n_choices_share_one_prefill_and_one_transfer(nodes, tiny_llama_dir):
     assert prefill.engine.num_prompt_tokens_computed == len(prompt)
     assert decode.engine.num_prompt_tokens_computed == 0
     assert decode.engine.block_manager.num_copied_blocks == 3  # the partial block, copied
-    assert decode.stats().prompt_tokens_computed_total == 0
-    assert prefill.stats().prompt_tokens_computed_total == len(prompt)
+    assert decode.stats().scheduling.prompt_tokens_computed_total == 0
+    assert prefill.stats().scheduling.prompt_tokens_computed_total == len(prompt)
     assert_all_blocks_free(decode, prefill)
 
 

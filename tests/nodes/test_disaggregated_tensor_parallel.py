@@ -115,7 +115,8 @@ def test_two_ranks_on_each_side_give_one_ranks_tokens(model_dirs, kind, transpor
         assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == expected
         assert prefill.transfer_bytes > 0 and decode.transfer_failures == 0
         assert_all_blocks_free(decode, prefill)
-        assert decode.stats().tensor_parallel_size == prefill.stats().tensor_parallel_size == 2
+        sizes = [node.stats().identity.tensor_parallel_size for node in (decode, prefill)]
+        assert sizes == [2, 2]
     finally:
         shut_down(tag, prefill, decode)
 

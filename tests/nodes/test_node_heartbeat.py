@@ -21,6 +21,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.router.cluster.node_registry import NodeRegistry
 from pdserve.wire.messages import Generate, Heartbeat, NodeStats, decode, encode
 from pdserve.wire.sampling_params import SamplingParams
+from tests.node_stats import node_stats
 
 HEARTBEAT_S = 0.25
 
@@ -134,15 +135,15 @@ def test_an_idle_node_reports_blocks_held_without_a_request_as_leaked(tiny_llama
     thread.start()
     try:
         messages = router.arrivals_until(
-            lambda m: isinstance(m, NodeStats) and m.num_leaked_blocks > 0
+            lambda m: isinstance(m, NodeStats) and m.kv.num_leaked_blocks > 0
         )
         stats = [m for _, m in messages if isinstance(m, NodeStats)]
     finally:
         node.stop()
         thread.join(timeout=10)
         router.close()
-    assert stats[0].num_leaked_blocks == 0  # not checked yet
-    assert stats[-1].num_leaked_blocks == 3
+    assert stats[0].kv.num_leaked_blocks == 0  # not checked yet
+    assert stats[-1].kv.num_leaked_blocks == 3
 
 
 def test_a_node_announces_itself_only_once_its_warm_up_forward_is_done(tiny_llama_dir, monkeypatch):
@@ -178,9 +179,7 @@ def test_a_router_stalled_past_the_node_timeout_does_not_call_its_nodes_dead():
     node unroutable; a node that really is silent is down at the next sweep on time."""
     now = [0.0]
     registry = NodeRegistry(["p0=tcp://p0"], 1.0, connect=lambda node: None, clock=lambda: now[0])
-    registry.record(
-        NodeStats("p0", "prefill", 512, 512, 0, 1, 100, 100, 0, 0, 0, instance_id="i0")
-    )
+    registry.record(node_stats(node_id="p0", role="prefill", num_running=1, instance_id="i0"))
     registry.sweep()
     now[0] = 1.6  # the router was stalled: the heartbeats of 0.5 s, 1.0 s and 1.5 s sit unread
     assert [n.node_id for n in registry.live()] == ["p0"]

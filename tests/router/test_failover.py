@@ -21,6 +21,7 @@ from pdserve.wire.messages import (
     decode,
 )
 from pdserve.wire.sampling_params import SamplingParams
+from tests.node_stats import node_stats
 
 HEARTBEAT_S = 0.5
 NODE_TIMEOUT_S = 2 * HEARTBEAT_S
@@ -44,11 +45,11 @@ class FakeSocket:
         self.sent.append(decode(data))
 
 
-def stats(node_id: str, role: str, instance_id: str = "i0") -> NodeStats:
-    return NodeStats(
-        node_id, role, 512, 512, 0, 0, 100, 100, 0, 0, 0,
+def stats(node_id: str, role: str, instance_id: str = "i0", **fields) -> NodeStats:
+    return node_stats(
+        node_id=node_id, role=role, num_free_blocks=100, num_total_blocks=100,
         listen_address=f"tcp://{node_id}", model_fingerprint="m", dtype="float32",
-        block_size=16, instance_id=instance_id,
+        block_size=16, instance_id=instance_id, **fields,
     )
 
 

@@ -17,6 +17,7 @@ from pdserve.router.cluster.stats_log import StatsLog
 from pdserve.router.config import RouterConfig
 from pdserve.wire.log_format import JSONFormatter, LogSettings
 from pdserve.wire.messages import NodeStats
+from tests.node_stats import node_stats
 from tests.router.test_streaming import MODEL, run_with_node
 from tests.router.unlooped import unlooped_router_config
 
@@ -197,11 +198,7 @@ class FakeClock:
 
 
 def stats(node: str = "p0", role: str = "prefill", **fields) -> NodeStats:
-    values = {"num_waiting": 0, "num_running": 0, "num_free_blocks": 75, "num_total_blocks": 100}
-    values.update(fields)
-    return NodeStats(node, role, 256, 512, values.pop("num_waiting"), values.pop("num_running"),
-                     values.pop("num_free_blocks"), values.pop("num_total_blocks"), 0, 0,
-                     values.pop("generation_tokens_total", 0), **values)
+    return node_stats(node_id=node, role=role, num_free_blocks=75, num_total_blocks=100, **fields)
 
 
 def test_stats_line_every_interval_with_rates_usage_and_hit_rate(caplog):
@@ -211,7 +208,7 @@ def test_stats_line_every_interval_with_rates_usage_and_hit_rate(caplog):
     assert log.observe("p0", stats()) == []
     clock.now += 4.9
     busy = stats(num_running=3, num_waiting=2, prompt_tokens_computed_total=1000,
-                 generation_tokens_total=50, prefix_cache_queries_total=400,
+                 generation_total=50, prefix_cache_queries_total=400,
                  prefix_cache_hits_total=100)
     assert log.observe("p0", busy) == []
     clock.now += 0.1
@@ -241,22 +238,22 @@ def test_stats_line_only_for_nodes_with_traffic_since_the_last_line():
     [fields] = log.observe("d0", stats("d0", "decode", num_running=1))
     assert fields["node"] == "d0"
     clock.now += 5
-    lines = log.observe("p0", stats(generation_tokens_total=20))
+    lines = log.observe("p0", stats(generation_total=20))
     assert [f["node"] for f in lines] == ["p0", "d0"]
     clock.now += 5
-    lines = log.observe("p0", stats(generation_tokens_total=20))
+    lines = log.observe("p0", stats(generation_total=20))
     assert [f["node"] for f in lines] == ["d0"]  # d0 still runs a request; p0 is idle
     clock.now += 5
     log.forget("d0")
-    assert log.observe("p0", stats(generation_tokens_total=20)) == []
+    assert log.observe("p0", stats(generation_total=20)) == []
 
 
 def test_stats_line_of_a_restarted_node_counts_from_zero():
     clock = FakeClock()
     log = StatsLog(5.0, clock)
-    log.observe("p0", stats(generation_tokens_total=1000))
+    log.observe("p0", stats(generation_total=1000))
     clock.now += 5
-    [fields] = log.observe("p0", stats(generation_tokens_total=50))
+    [fields] = log.observe("p0", stats(generation_total=50))
     assert fields["generation_tokens_per_s"] == 10.0
 
 

@@ -13,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.metrics import RouterMetrics
-from pdserve.wire.messages import NodeStats, encode
+from pdserve.wire.messages import encode
+from tests.node_stats import node_stats
 from tests.router.test_streaming import MODEL, run_with_node
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pdserve.json"
@@ -27,9 +28,11 @@ def scrape(tmp_path_factory, tokenizer) -> dict:
         body = {"model": MODEL, "prompt": "a", "max_tokens": 3}
         answer = (await http.post("/v1/completions", json=body)).json()
         await http.post("/v1/completions", json={**body, "model": "other"})
-        stats = NodeStats("n0", "colocated", 256, 512, 0, 0, 10, 10, 0, 0, 0)
-        stats.queue_wait_seconds_by_priority = {"0": 0.5}
-        stats.queue_wait_requests_by_priority = {"0": 1}
+        stats = node_stats(
+            max_model_len=256,
+            queue_wait_seconds_by_priority={"0": 0.5},
+            queue_wait_requests_by_priority={"0": 1},
+        )
         await node.push.send(encode(stats))
         for _ in range(200):
             text = (await http.get("/metrics")).text
@@ -125,5 +128,5 @@ def test_dashboard_covers_the_operator_panels():
 
 def test_node_stats_without_queue_waits_still_expose_their_series():
     metrics = RouterMetrics(MODEL)
-    metrics.observe_node("n0", NodeStats("n0", "colocated", 256, 512, 0, 0, 10, 10, 0, 0, 0))
+    metrics.observe_node("n0", node_stats(max_model_len=256))
     assert b'pdserve_num_requests_running{model_name="tiny",node="n0"} 0.0' in metrics.render()

@@ -17,10 +17,14 @@ from pdserve.router.cluster.node_links import NodeLinks
 from pdserve.router.cluster.node_registry import NodeRegistry
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import NodeStats
+from tests.node_stats import node_stats
 
 
 def stats(node_id: str = "d0") -> NodeStats:
-    return NodeStats(node_id, "decode", 512, 512, 0, 1, 100, 100, 0, 0, 0, instance_id="i0")
+    return node_stats(
+        node_id=node_id, role="decode", num_running=1, num_free_blocks=100,
+        num_total_blocks=100, instance_id="i0",
+    )
 
 
 def changes_until(links: NodeLinks, connected: bool, timeout_s: float = 30.0):

@@ -7,7 +7,6 @@ is sent, an empty queue always admits, and retries are never judged again."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
@@ -26,7 +25,7 @@ FOUR_TOKENS = SamplingParams(max_tokens=4)
 
 
 def node(speed: float = 0.0) -> NodeState:
-    measured = dataclasses.replace(stats("p", "prefill"), prefill_tokens_per_s=speed)
+    measured = stats("p", "prefill", prefill_tokens_per_s=speed)
     return NodeState("tcp://p", "p", measured)
 
 
@@ -109,9 +108,7 @@ def client_with(*roles: str, max_queue_delay_s: float = 2.0):
     for n in client.nodes:
         n.socket = sockets[n.node_id] = FakeSocket()
         role = {"p": "prefill", "d": "decode", "c": "colocated"}[n.node_id[0]]
-        client.record_stats(
-            dataclasses.replace(stats(n.node_id, role), prefill_tokens_per_s=100.0)
-        )
+        client.record_stats(stats(n.node_id, role, prefill_tokens_per_s=100.0))
     return client, sockets
 
 

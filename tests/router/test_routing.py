@@ -13,26 +13,12 @@ from pdserve.router.cluster.node_registry import NodeRegistry, NodeState
 from pdserve.router.cluster.queue_delay import PromptQueues
 from pdserve.router.cluster.routing import PrefillRouter, block_hashes, pick_decode_node
 from pdserve.wire.messages import NodeStats, TokenBatch, TokenUpdate
+from tests.node_stats import node_stats
 
 
 def stats(node_id: str, role: str, address: str = "", **fields) -> NodeStats:
-    values = {
-        "max_model_len": 512,
-        "vocab_size": 512,
-        "num_waiting": 0,
-        "num_running": 0,
-        "num_free_blocks": 10,
-        "num_total_blocks": 10,
-        "num_preemptions": 0,
-        "prompt_tokens_total": 0,
-        "generation_tokens_total": 0,
-        "block_size": 16,
-        "model_fingerprint": "m1",
-        "dtype": "float32",
-        "listen_address": address,
-    }
-    values.update(fields)
-    return NodeStats(node_id=node_id, role=role, **values)
+    values = {"block_size": 16, "model_fingerprint": "m1", "dtype": "float32", **fields}
+    return node_stats(node_id=node_id, role=role, listen_address=address, **values)
 
 
 def registry(addresses=()) -> tuple[NodeRegistry, list[NodeState]]:

@@ -16,12 +16,12 @@ from pdserve.router.config import RouterConfig
 from pdserve.wire.messages import (
     Abort,
     Generate,
-    NodeStats,
     TokenBatch,
     TokenUpdate,
     decode,
     encode,
 )
+from tests.node_stats import node_stats
 
 MODEL = "tiny"
 REPLY = "hello world, again"
@@ -53,7 +53,7 @@ class ScriptedNode:
         self.delay = 0.005
 
     async def run(self) -> None:
-        stats = NodeStats("n0", "colocated", 256, 512, 0, 0, 10, 10, 0, 0, 0)
+        stats = node_stats(max_model_len=256)
         await self.push.send(encode(stats))
         while True:
             message = decode(await self.pull.recv())

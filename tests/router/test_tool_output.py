@@ -16,7 +16,8 @@ from pdserve.router.api.app import create_app
 from pdserve.router.api.tool_output import ToolCallOutput
 from pdserve.router.api.tools import ToolMode, ToolPlan
 from pdserve.router.config import RouterConfig
-from pdserve.wire.messages import Generate, NodeStats, TokenBatch, TokenUpdate, decode, encode
+from pdserve.wire.messages import Generate, TokenBatch, TokenUpdate, decode, encode
+from tests.node_stats import node_stats
 from tests.router.test_streaming import ScriptedNode, sse_payloads
 from tests.router.test_tools import TOOLS, WEATHER
 
@@ -153,7 +154,7 @@ class TextNode(ScriptedNode):
     text = ""
 
     async def run(self) -> None:
-        stats = NodeStats("n0", "colocated", 4096, 512, 0, 0, 10, 10, 0, 0, 0)
+        stats = node_stats(max_model_len=4096)
         await self.push.send(encode(stats))
         while True:
             message = decode(await self.pull.recv())

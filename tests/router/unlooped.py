@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.router.config import RouterConfig
 from pdserve.wire.messages import NodeStats
+from pdserve.wire.node_stats import KvCacheStats, NodeIdentity, SchedulingStats
 
 
 def unlooped_router_config(model_path: Path, served_model_name: str, **settings) -> RouterConfig:
@@ -25,16 +26,7 @@ def node_stats(
     """What a live colocated node reports, idle, with `blocks` free blocks (of `block_size`
     tokens; 0: not reported, so the router checks no KV capacity)."""
     return NodeStats(
-        node_id="n0",
-        role="colocated",
-        max_model_len=max_model_len,
-        vocab_size=vocab_size,
-        num_waiting=0,
-        num_running=0,
-        num_free_blocks=blocks,
-        num_total_blocks=blocks,
-        num_preemptions=0,
-        prompt_tokens_total=0,
-        generation_tokens_total=0,
-        block_size=block_size,
+        NodeIdentity("n0", "colocated", max_model_len, vocab_size, block_size=block_size),
+        SchedulingStats(num_waiting=0, num_running=0, num_preemptions=0),
+        KvCacheStats(num_free_blocks=blocks, num_total_blocks=blocks),
     )

@@ -21,6 +21,13 @@ from pdserve.wire.messages import (
     decode,
     encode,
 )
+from pdserve.wire.node_stats import (
+    KvCacheStats,
+    KvTransferTotals,
+    NodeIdentity,
+    SchedulingStats,
+    TokenTotals,
+)
 from pdserve.wire.sampling_params import SamplingParams
 
 MESSAGES = [
@@ -32,7 +39,13 @@ MESSAGES = [
     Abort("r1"),
     TokenBatch("n0", [TokenUpdate("r1", [5], None, 3, [[5, -0.5, [[5, -0.5], [7, -1.0]]]])]),
     RequestFailed("r1", "token id 900 is outside the vocabulary", 400),
-    NodeStats("n0", "colocated", 8192, 49152, 1, 2, 30, 100, 0, 17, 40),
+    NodeStats(
+        NodeIdentity("n0", "colocated", 8192, 49152, instance_id="i0", block_size=16),
+        SchedulingStats(1, 2, 0, queue_wait_seconds_by_priority={"0": 0.5}),
+        KvCacheStats(30, 100, num_cached_blocks=4),
+        TokenTotals(17, 40),
+        KvTransferTotals(bytes_total=1 << 20, seconds_total=0.25),
+    ),
 ]
 
 
@@ -61,6 +74,30 @@ def test_every_message_round_trips(message):
 def test_malformed_messages_raise_protocol_error(payload):
     with pytest.raises(ProtocolError):
         decode(payload)
+
+
+def test_node_stats_parts_are_checked_like_messages():
+    """NodeStats' parts travel as nested maps, each checked field by field: a part that is not
+    a map, lacks a required field, has an unknown one or an ill-typed value is refused."""
+    stats = msgpack.unpackb(encode(MESSAGES[-1]))
+    assert isinstance(stats["kv"], dict) and stats["kv"]["num_free_blocks"] == 30
+
+    def with_part(name: str, part) -> bytes:
+        return msgpack.packb({**stats, name: part})
+
+    for payload, refusal in [
+        (with_part("kv", 30), "KvCacheStats must be a map"),
+        (with_part("identity", {**stats["identity"], "role": None}), "NodeIdentity.role"),
+        (with_part("scheduling", {"num_waiting": 0, "num_running": 0}), "num_preemptions"),
+        (with_part("tokens", {"prompt_total": 1, "extra": 2}), "unknown fields"),
+        (with_part("kv_transfer", {"bytes_total": 1.5}), "KvTransferTotals.bytes_total"),
+        (with_part("kv", {**stats["kv"], "num_free_blocks": True}), "num_free_blocks"),
+        (msgpack.packb({k: v for k, v in stats.items() if k != "identity"}), "identity"),
+    ]:
+        with pytest.raises(ProtocolError, match=refusal):
+            decode(payload)
+    lean = {k: v for k, v in stats.items() if k not in ("tokens", "kv_transfer")}
+    assert decode(msgpack.packb(lean)).kv_transfer == KvTransferTotals()  # a role without any
 
 
 def test_pickle_payloads_are_not_messages():
