@@ -127,22 +127,29 @@ class PrefillPlacement:
             return self._local(decode_node, prompt, "policy")
         if not prefill_nodes:
             return self._local(decode_node, prompt, "no_prefill_node")
-        prefill, cached = self.prefill_router.pick(prefill_nodes, prompt)
-        remote = PlacementChoice(Placement.REMOTE, "policy", prefill, len(prompt) - cached)
         if self.policy is DisaggPolicy.ALWAYS:
-            return remote
+            return self._remote(prefill_nodes, prompt, "policy")
         local = self._local(decode_node, prompt, "short_prompt")
         if local.num_tokens <= self.local_prefill_tokens:
-            return local
-        now = self.clock()
-        remote_delay = self.queues.delay(prefill, remote.num_tokens, now)
-        remote_s = remote_delay.seconds if remote_delay is not None else 0.0
-        if remote_s > self.local_prefill_queue_delay_s:
-            local_delay = self.queues.delay(decode_node, local.num_tokens, now)
-            if (local_delay.seconds if local_delay is not None else 0.0) < remote_s:
-                return PlacementChoice(Placement.LOCAL, "prefill_queue", None, local.num_tokens)
-        return PlacementChoice(Placement.REMOTE, "long_prompt", prefill, remote.num_tokens)
+            return local  # the prefill nodes' index is not even read
+        remote = self._remote(prefill_nodes, prompt, "long_prompt")
+        remote_s = self._queue_delay_s(remote.prefill, remote.num_tokens)
+        prefill_queue_is_long = remote_s > self.local_prefill_queue_delay_s
+        if prefill_queue_is_long and self._queue_delay_s(decode_node, local.num_tokens) < remote_s:
+            return PlacementChoice(Placement.LOCAL, "prefill_queue", None, local.num_tokens)
+        return remote
 
     def _local(self, decode_node: NodeState, prompt: list[int], reason: str) -> PlacementChoice:
         cached = self.prefill_router.cached_tokens(decode_node, prompt)
         return PlacementChoice(Placement.LOCAL, reason, None, len(prompt) - cached)
+
+    def _remote(
+        self, prefill_nodes: list[NodeState], prompt: list[int], reason: str
+    ) -> PlacementChoice:
+        prefill, cached = self.prefill_router.pick(prefill_nodes, prompt)
+        return PlacementChoice(Placement.REMOTE, reason, prefill, len(prompt) - cached)
+
+    def _queue_delay_s(self, node: NodeState, num_tokens: int) -> float:
+        """The predicted queue delay at `node` of a prompt of `num_tokens` (0: empty queue)."""
+        delay = self.queues.delay(node, num_tokens, self.clock())
+        return delay.seconds if delay is not None else 0.0
