@@ -61,13 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def workload(vocab: list[int], count: int, times: list[float], args, seed: str) -> list:
+def workload(vocab: list[int], times: list[float], args, seed: str) -> list:
+    """One request per send time in `times`."""
     rng = random.Random(f"{args.seed}-{seed}")
     systems = [
         [rng.choice(vocab) for _ in range(SYSTEM_TOKENS)] for _ in range(SYSTEM_PROMPTS)
     ]
     requests = []
-    for at in times[:count]:
+    for at in times:
         if rng.random() < args.long_fraction:
             prompt = [rng.choice(vocab) for _ in range(rng.randint(1200, 1600))]
             requests.append(LoadRequest(at, prompt, 16, "document"))
@@ -79,11 +80,11 @@ def workload(vocab: list[int], count: int, times: list[float], args, seed: str) 
 
 def loads(vocab: list[int], args) -> dict[str, tuple[list[LoadRequest], int | None]]:
     """Load name -> (requests, max concurrency)."""
-    single = workload(vocab, args.single_stream_requests, [0.0] * 10_000, args, "single")
+    single = workload(vocab, [0.0] * args.single_stream_requests, args, "single")
     out = {"1 stream": (single, 1)}
     for rate in args.rates:
         times = arrival_times(args.requests, rate, "gamma", args.burstiness, args.seed)
-        out[f"{rate} requests/s"] = (workload(vocab, args.requests, times, args, str(rate)), None)
+        out[f"{rate} requests/s"] = (workload(vocab, times, args, str(rate)), None)
     return out
 
 
