@@ -31,6 +31,7 @@ import uvicorn
 
 from pdserve.router.api.app import create_app
 from pdserve.router.api.drain import DrainingServer
+from pdserve.router.api.early_refusal import EarlyRefusal
 from pdserve.router.api.http_connection import RequestDeadlineProtocol
 from pdserve.router.config import CONFIG_ENV, RouterConfig
 from pdserve.wire.config_flags import add_flags, build, from_environment, in_flag_terms
@@ -71,6 +72,7 @@ def uvicorn_config(
             head_timeout_s=head_timeout_s,
             body_timeout_s=body_timeout_s,
             max_head_bytes=MAX_REQUEST_HEAD_BYTES,
+            early_refusal=EarlyRefusal(app.state.router),
         ),
         timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # seconds
     )

@@ -100,6 +100,10 @@ def access_line(fields: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def log_access(fields: dict[str, Any]) -> None:
+    logger.info("%s", access_line(fields), extra={"fields": fields})
+
+
 class AccessLog:
     """Pure ASGI middleware, outside `error_handling.RequestGuard` so it sees the status that guard
     answers too."""
@@ -132,5 +136,6 @@ class AccessLog:
         finally:
             path = scope.get("path", "")
             if self.enabled and path not in UNLOGGED_PATHS:
-                fields = access_fields(record, scope.get("method", ""), path, status, self.clock())
-                logger.info("%s", access_line(fields), extra={"fields": fields})
+                log_access(
+                    access_fields(record, scope.get("method", ""), path, status, self.clock())
+                )

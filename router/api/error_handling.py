@@ -28,15 +28,18 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobod
 REQUEST_END_SCOPE_KEY = "pdserve.request_end"
 
 
-def error_response(error: APIError) -> JSONResponse:
-    """`error` as the client sees it: its OpenAI body and status, with `WWW-Authenticate` on
-    a 401 and `Retry-After` on a 429."""
-    headers = None
+def error_headers(error: APIError) -> dict[str, str]:
+    """`WWW-Authenticate` on a 401 and `Retry-After` on a 429."""
     if error.status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
-    elif error.status == 429:
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        return {"WWW-Authenticate": "Bearer"}
+    if error.status == 429:
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    return {}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """`error` as the client sees it: its OpenAI body and status, with `error_headers`."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error_headers(error))
 
 
 def install_error_handlers(app: FastAPI, on_error: Any = None) -> None:

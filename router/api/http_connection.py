@@ -15,6 +15,10 @@ Lifecycle of a connection, by what it reads (`Reading`), each stage with its dea
           reading it then sees its client gone)
   ANSWER  the request is read and its response not yet complete: no deadline here (a stream
           may last minutes; the routes bound their own waits), then HEAD again
+  REFUSED the head was enough to refuse the request (router/api/early_refusal.py): the answer
+          is written as the head completes, before any ASGI task, and the connection closes;
+          whatever else the client sent is dropped. Only a request with no answer still being
+          written ahead of it is refused so (a pipelined one goes to the app).
 A deadline that passes closes the connection.
 """
 
@@ -24,13 +28,17 @@ import asyncio
 import enum
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdserve.router.api.early_refusal import EarlyRefusal
 
 
 class Reading(enum.Enum):
     HEAD = "head"
     BODY = "body"
     ANSWER = "answer"
+    REFUSED = "refused"
 
 
 class HeadTooLarge(Exception):
@@ -45,9 +53,11 @@ class RequestDeadlineProtocol(HttpToolsProtocol):
         head_timeout_s: float,
         body_timeout_s: float,
         max_head_bytes: int,
+        early_refusal: EarlyRefusal | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.early_refusal = early_refusal
         self.timeouts_s = {Reading.HEAD: head_timeout_s, Reading.BODY: body_timeout_s}
         self.max_head_bytes = max_head_bytes
         self.reading: Reading | None = None
@@ -90,10 +100,18 @@ class RequestDeadlineProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._refused_early():
+            return
         self._enter(Reading.BODY)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if self.reading is not Reading.REFUSED:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self.reading is Reading.REFUSED:
+            return
         self._enter(Reading.ANSWER)
         super().on_message_complete()
 
@@ -131,6 +149,26 @@ class RequestDeadlineProtocol(HttpToolsProtocol):
             self.timeouts_s[reading],
         )
         self.transport.close()
+
+    def _refused_early(self) -> bool:
+        """Writes the refusal and closes the connection where `early_refusal` refuses this
+        request and no earlier answer on the connection is still being written."""
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if self.early_refusal is None or answering:
+            return False
+        method = self.parser.get_method().decode("ascii")
+        path = self.root_path + httptools.parse_url(self.url).path.decode("ascii")
+        if "%" in path:
+            return False  # an escaped path: the app decodes it and answers
+        answer = self.early_refusal.answer(
+            method, path, self.headers, self.server_state.default_headers
+        )
+        if answer is None:
+            return False
+        self._enter(Reading.REFUSED)
+        self.transport.write(answer)
+        self.transport.close()
+        return True
 
     def _count_head(self, num_bytes: int) -> None:
         self.head_bytes_parsed += num_bytes

@@ -8,16 +8,12 @@ request head gets 400, whether it trickles in or comes whole; one under the boun
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import select
 import socket
-import threading
 import time
 
 import httpx
-import uvicorn
 
-from pdserve.router.__main__ import uvicorn_config
 from tests.router.fake_node import (
     REPLY,
     FakeNode,
@@ -27,9 +23,7 @@ from tests.router.fake_node import (
     make_app,
     node_stats,
 )
-
-PORTS = range(21100, 21200)
-
+from tests.router.served import local_port, serving
 
 # -- the request body -------------------------------------------------------------------------
 
@@ -73,39 +67,6 @@ def test_a_client_gone_while_sending_its_body_is_counted_as_disconnected(tokeniz
 
 
 # -- connections (the router's uvicorn configuration, in a thread) ----------------------------
-
-
-def free_port() -> int:
-    for port in PORTS:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS}")
-
-
-@contextlib.contextmanager
-def serving(app, **timeouts_s: float):
-    router_config = app.state.router.config
-    router_config.port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, router_config, **timeouts_s))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{router_config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
-def local_port(response: httpx.Response) -> int:
-    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
 
 
 def test_after_an_internal_error_the_same_connection_serves_the_next_request(
