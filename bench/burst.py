@@ -44,6 +44,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from pdserve.bench.burst_report import markdown
@@ -65,12 +66,12 @@ RESULTS = Path(__file__).parent / "results"
 WARMUP_REQUESTS = 2
 SETTLE_S = 2.0
 SAMPLE_INTERVAL_S = 0.1
-STREAMS_PER_CLIENT = 20
 LOADED_HOST_RUNS = {"no": (False,), "also": (False, True), "only": (True,)}
 LOADED_LABEL = " (loaded host)"
 
 if TYPE_CHECKING:
-    import httpx
+    import aiohttp
+
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -85,54 +86,44 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-async def _one(http: httpx.AsyncClient, body: dict, start: float, timeout_s: float) -> StreamRecord:
+async def _one(
+    http: aiohttp.ClientSession, body: dict, start: float, timeout_s: float
+) -> StreamRecord:
     record = StreamRecord(sent_s=time.perf_counter() - start)
-
-    async def trace(event: str, _info: dict) -> None:
-        if event == "http11.send_request_body.complete":
-            record.written_s = time.perf_counter() - start
-
     absorb = functools.partial(absorb_event, record)
-    extensions = {"trace": trace}
-    await stream_into(record, http, "/v1/completions", body, start, timeout_s, absorb, extensions)
+    await stream_into(record, http, "/v1/completions", body, start, timeout_s, absorb, record)
     return record
 
 
+async def _body_written(_session: object, context: SimpleNamespace, _params: object) -> None:
+    """aiohttp's trace hook for a request's last body chunk: the record notes the time."""
+    record: StreamRecord = context.trace_request_ctx
+    record.written_s = time.perf_counter() - context.start
+
+
 async def send_burst(
-    url: str,
-    bodies: list[dict],
-    timeout_s: float,
-    pids: dict[str, int] | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
+    url: str, bodies: list[dict], timeout_s: float, pids: dict[str, int] | None = None
 ) -> tuple[list[StreamRecord], dict[str, int]]:
     """Sends every body at once; returns one record per body (in order) and the peak VmRSS
-    (KiB) of each process in `pids` while they ran. One connection per stream, spread over
-    clients of STREAMS_PER_CLIENT: a client's pool rescans all its connections whenever a
-    request starts or ends, which for a thousand in one pool costs more than the streams."""
-    import ssl
+    (KiB) of each process in `pids` while they ran. One connection per stream, from one
+    aiohttp session."""
+    import aiohttp
 
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    verify = ssl.create_default_context()  # one for all: each client would load the CA file
     peaks: dict[str, int] = {}
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(
-                    base_url=url, timeout=None, limits=limits, verify=verify, transport=transport
-                )
-            )
-            for _ in range(0, len(bodies), STREAMS_PER_CLIENT)
-        ]
+    tracing = aiohttp.TraceConfig(
+        trace_config_ctx_factory=lambda trace_request_ctx: SimpleNamespace(
+            trace_request_ctx=trace_request_ctx, start=start
+        )
+    )
+    tracing.on_request_chunk_sent.append(_body_written)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(
+        url, connector=connector, timeout=timeout, trace_configs=[tracing]
+    ) as http:
         sampler = asyncio.create_task(sample_rss_every(SAMPLE_INTERVAL_S, pids or {}, peaks))
         start = time.perf_counter()
-        records = await asyncio.gather(
-            *(
-                _one(clients[i // STREAMS_PER_CLIENT], body, start, timeout_s)
-                for i, body in enumerate(bodies)
-            )
-        )
+        records = await asyncio.gather(*(_one(http, body, start, timeout_s) for body in bodies))
         sampler.cancel()
     sample_rss(pids or {}, peaks)
     return list(records), peaks
@@ -387,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": f"{args.prompt_len} random token ids from {vocab.source}, distinct per request",
         "output": f"{args.max_tokens} tokens, greedy, EOS ignored, streamed with usage",
         "per-request timeout": f"{args.timeout:g} s",
-        "client": f"httpx, one {event_loop_name()} loop, one connection per stream",
+        "client": f"aiohttp, one {event_loop_name()} loop, one connection per stream",
         "warm-up": f"{WARMUP_REQUESTS} short requests per server, {SETTLE_S:g} s between "
         "bursts; bursts in the order given, against the same server",
         "extra server flags": " ".join(args.server_arg) or "none",

@@ -49,6 +49,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from pdserve.bench.burst_streams import Outcome, outcome_unless_ended, stream_into
@@ -164,7 +165,7 @@ def classify(record: SoakRecord) -> tuple[Outcome, str]:
 
 
 async def send_one(
-    http: httpx.AsyncClient, kind: str, path: str, body: dict, start: float, timeout_s: float
+    http: aiohttp.ClientSession, kind: str, path: str, body: dict, start: float, timeout_s: float
 ) -> SoakRecord:
     record = SoakRecord(kind, body.get("n", 1), time.perf_counter() - start)
     await stream_into(record, http, path, body, start, timeout_s, record.absorb)
@@ -172,7 +173,7 @@ async def send_one(
 
 
 async def client_loop(
-    http: httpx.AsyncClient,
+    http: aiohttp.ClientSession,
     rng: random.Random,
     model: str,
     vocab: list[int],
@@ -257,10 +258,11 @@ async def run_traffic(
     url: str, model: str, vocab: list[int], args: argparse.Namespace, launcher_pid: int
 ) -> tuple[list[SoakRecord], NodeWatch, float]:
     """The traffic stage: records, what the scrapes saw, and its length in seconds."""
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=None)
+    connector = aiohttp.TCPConnector(limit=args.concurrency)
     records: list[SoakRecord] = []
     watch = NodeWatch()
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as http:
         start = time.perf_counter()
         stop_at = start + args.minutes * 60
         watcher = asyncio.create_task(watch_nodes(url, launcher_pid, start, watch))
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 "deployment": f"{args.deployment}: `pdserve serve {' '.join(flags)}`, "
                 "the default model (SmolLM2-135M-Instruct)",
                 "traffic": f"{args.minutes:g} min, then the requests in flight finish",
-                "clients": f"{args.concurrency} concurrent streams, httpx, one asyncio loop",
+                "clients": f"{args.concurrency} concurrent streams, aiohttp, one asyncio loop",
                 "host load": f"{hogs} busy-looping processes (one per usable core)"
                 if args.loaded else "none (--idle)",
                 "request kinds (equal odds)": "; ".join(f"{k}: {v}" for k, v in KINDS.items()),
