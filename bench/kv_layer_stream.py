@@ -50,10 +50,13 @@ def layer_stream_rows(args, logs: Path) -> tuple[list[list[str]], str]:
     )
     rng = random.Random(0)
     counter = iter(range(10**9))
-    repeats = max(args.repeats, 3)
+    repeats = max(args.repeats, 5)
 
-    def one_prefill(transport: str, num_tokens: int, layers_per_write: int) -> tuple[float, int]:
-        """(seconds from the last layer to COMPLETE, writes issued before the last layer)."""
+    def one_prefill(
+        transport: str, num_tokens: int, layers_per_write: int
+    ) -> tuple[float, float, int]:
+        """(seconds from the last layer to COMPLETE, from the step's start to COMPLETE, writes
+        issued before the last layer)."""
         request_id = f"stream-{next(counter)}"
         dst = list(range(-(-num_tokens // 16)))
         decode.expect(transport, request_id, dst)
@@ -71,6 +74,7 @@ def layer_stream_rows(args, logs: Path) -> tuple[list[list[str]], str]:
                          write.layer_start, write.layer_end)
 
         last_layer_at.clear()
+        step_started = time.perf_counter()
         step = prefill.step(issue)
         assert step.first_tokens and len(last_layer_at) == 1, "the prompt took more than a step"
         event = sender.wait(request_id, 120)
@@ -78,7 +82,7 @@ def layer_stream_rows(args, logs: Path) -> tuple[list[list[str]], str]:
         assert event.kind is TransferKind.COMPLETE, event
         decode.wait(transport, request_id)
         prefill.release(request_id)
-        return committed - last_layer_at[0], sum(early)
+        return committed - last_layer_at[0], committed - step_started, sum(early)
 
     rows = []
     try:
@@ -89,13 +93,13 @@ def layer_stream_rows(args, logs: Path) -> tuple[list[list[str]], str]:
                 for mode, layers_per_write in modes.items():
                     runs = [one_prefill(transport, num_tokens, layers_per_write)
                             for _ in range(repeats)]
-                    results[mode] = (statistics.median(r[0] for r in runs), runs[0][1])
-                before, after = results["after the forward"][0], results[list(modes)[1]][0]
+                    results[mode] = [statistics.median(r[i] for r in runs) for i in range(3)]
+                before, after = results["after the forward"], results[list(modes)[1]]
                 kib = -(-num_tokens // 16) * spec.bytes_per_block / 1024
                 rows.append([
-                    transport, str(num_tokens), f"{kib:,.0f} KiB", f"{before * 1e3:.2f}",
-                    f"{after * 1e3:.2f}", str(results[list(modes)[1]][1]),
-                    f"**{before / after:.1f}x**" if after > 0 else "n/a",
+                    transport, str(num_tokens), f"{kib:,.0f} KiB", f"{before[0] * 1e3:.1f}",
+                    f"{after[0] * 1e3:.1f}", f"**{before[0] / after[0]:.1f}x**",
+                    f"{before[1] * 1e3:.0f}", f"{after[1] * 1e3:.0f}", f"{after[2]:.0f}",
                 ])
                 say(f"  layer stream {transport} {num_tokens}: " + " | ".join(rows[-1][2:]))
     finally:
@@ -111,7 +115,8 @@ def layer_stream_rows(args, logs: Path) -> tuple[list[list[str]], str]:
         f"computes it (`--kv-layers-per-write {group_layers}`, the default). Measured: last "
         "layer computed (a forward hook) -> the sender's COMPLETE (the decode side committed "
         "every block of every layer). The decode node runs its first decode step at the commit, "
-        "so its first token comes one decode step later in both columns. `early writes`: writes "
-        "issued before the last layer ran (after mode: 0)."
+        "so its first token comes one decode step later in both columns. `step start -> commit`: "
+        "the same from the start of the prefill step (forward, sampling and transfer). "
+        "`early writes`: writes issued before the last layer ran (after the forward: 0)."
     )
     return rows, setup

@@ -454,8 +454,10 @@ def layer_stream_section(rows: list[list[str]], setup: str) -> str:
     return "\n\n".join([
         LAYER_STREAM_HEADING,
         setup,
-        md_table(["transport", "prompt tokens", "KV", "after the forward (ms)",
-                  "by layer group (ms)", "early writes", "ratio"], rows),
+        md_table(["transport", "prompt tokens", "KV",
+                  "last layer -> commit, after the forward (ms)", "by layer group (ms)", "ratio",
+                  "step start -> commit, after the forward (ms)", "by layer group (ms)",
+                  "early writes"], rows),
     ])
 
 

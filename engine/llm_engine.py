@@ -246,7 +246,10 @@ class LLMEngine:
             try:
                 self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
             except StepFailure:
-                self._settle_export(exporting)
+                self._settle_export(exporting, others_ran_alone=True)
+                raise
+            except Exception:
+                self._settle_export(exporting, others_ran_alone=False)
                 raise
         if exporting is not None:
             exporting.finish()
@@ -382,16 +385,18 @@ class LLMEngine:
         group_ends = export.group_ends if export is not None else (num_layers,)
         return LayerGroupExport(blocks, group_ends, emit)
 
-    def _settle_export(self, exporting: LayerGroupExport) -> None:
-        """After StepFailure (engine/kv/layer_group_export.py): the culprits' blocks are
-        forgotten (their holds, if any, end with their transfer); nothing emitted yet, the plan
-        is undone and the re-run exports; else the others' lone runs completed their KV."""
+    def _settle_export(self, exporting: LayerGroupExport, others_ran_alone: bool) -> None:
+        """After a step's batch raised (engine/kv/layer_group_export.py): the culprits' blocks
+        are forgotten (their holds, if any, end with their transfer); with nothing emitted yet
+        the plan is undone and a re-run exports; else, after StepFailure, the others' lone runs
+        completed their KV and the rest of their layers leave (with no culprit found the
+        caller fails every request: what left is released with its transfer)."""
         exporting.drop([r for r in exporting.blocks if r not in self.num_exported_blocks])
         if exporting.layers_sent == 0:
             for request_id, block_ids in exporting.blocks.items():
                 self.num_exported_blocks[request_id] -= len(block_ids)
-            return
-        exporting.finish()
+        elif others_ran_alone:
+            exporting.finish()
 
     def _fail_culprits(
         self,
