@@ -241,16 +241,7 @@ class LLMEngine:
         try:
             samples = self.runner.execute(schedule, exporting.layers_done if streams else None)
         except Exception as error:  # noqa: BLE001 (re-raised, or narrowed to its culprits)
-            if exporting is None:
-                self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
-            try:
-                self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
-            except StepFailure:
-                self._settle_export(exporting, others_ran_alone=True)
-                raise
-            except Exception:
-                self._settle_export(exporting, others_ran_alone=False)
-                raise
+            self._fail_step(schedule, exporting, error)
         if exporting is not None:
             exporting.finish()
         num_prefill_tokens = sum(
@@ -384,6 +375,22 @@ class LLMEngine:
         num_layers = self.model_config.num_layers
         group_ends = export.group_ends if export is not None else (num_layers,)
         return LayerGroupExport(blocks, group_ends, emit)
+
+    def _fail_step(
+        self, schedule: SchedulerOutput, exporting: LayerGroupExport | None, error: Exception
+    ) -> NoReturn:
+        """The step's batch raised `error`: finds its culprits (`_fail_culprits`), settling the
+        step's export either way."""
+        try:
+            self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
+        except StepFailure:
+            if exporting is not None:
+                self._settle_export(exporting, others_ran_alone=True)
+            raise
+        except Exception:
+            if exporting is not None:
+                self._settle_export(exporting, others_ran_alone=False)
+            raise
 
     def _settle_export(self, exporting: LayerGroupExport, others_ran_alone: bool) -> None:
         """After a step's batch raised (engine/kv/layer_group_export.py): the culprits' blocks
