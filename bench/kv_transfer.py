@@ -16,8 +16,14 @@
    Transfer time = time outside the forward passes; hidden share = 1 - overlapped transfer time
    / synchronous transfer time. The forward's own slowdown while copies run is shown beside it.
 
+3. Layer streaming (bench/kv_layer_stream.py). Prompts of one chunk (128, 512, 1024 tokens):
+   time from the prefill's last layer to the decode side's commit, the chunk's KV written after
+   the forward and by layer group during it, side by side.
+
     python -m pdserve.bench.kv_transfer            # full run (a few minutes on 2 cores)
     python -m pdserve.bench.kv_transfer --quick    # 1-64 MiB, short prompt, one repeat
+    python -m pdserve.bench.kv_transfer --sections layer-stream   # some sections: the report
+                                                   # file keeps the others as they were
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ TARGET_SHM, TARGET_ZMQ, TARGETS_FROM_MIB = 0.6, 0.3, 16
 TARGET_MOONCAKE = TARGET_ZMQ  # a network transport, like zmq
 MOONCAKE_MISSING = mooncake_missing()
 TRANSPORTS = ("shm", "zmq") if MOONCAKE_MISSING else ("shm", "zmq", "mooncake")
+SECTIONS = ("bandwidth", "overlap", "layer-stream")
+LAYER_STREAM_HEADING = "## Time from last prefill layer to first decode token (one-chunk prompts)"
 BANDWIDTH_CASES = ("shm", "shm shuffled", "zmq", "mooncake", "mooncake shuffled")
 
 
@@ -69,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="model folder for the overlap run (default model)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/kv_transfer.md")
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+        help="the sections to run; the report file keeps the others' text (default: all)",
+    )
     parser.add_argument("--tcp-sink", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.sizes_mib = args.sizes_mib or ([1, 16, 64] if args.quick else [1, 4, 16, 64, 256, 512])
@@ -358,14 +370,52 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     machine = machine_info()
     say(f"command: {command_line()}\nmachine: {machine}")
+    sections: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="kv-transfer-bench-") as logs:
-        bandwidth, verdicts = bandwidth_rows(args, Path(logs))
-        overlap, overlap_setup = overlap_rows(args, Path(logs))
+        if "bandwidth" in args.sections:
+            sections["bandwidth"] = bandwidth_section(*bandwidth_rows(args, Path(logs)), args)
+        if "overlap" in args.sections:
+            sections["overlap"] = overlap_section(*overlap_rows(args, Path(logs)))
+        if "layer-stream" in args.sections:
+            from pdserve.bench.kv_layer_stream import layer_stream_rows
+
+            sections["layer-stream"] = layer_stream_section(*layer_stream_rows(args, Path(logs)))
     machine["load average at end"] = load_average()
-    report = "\n\n".join([
+    header = "\n\n".join([
         "# KV transfer: bandwidth and overlap with chunked prefill",
         f"Command: `{command_line()}`",
         md_table(["machine", ""], [[k, v] for k, v in machine.items()]),
+    ])
+    if set(args.sections) == set(SECTIONS) or not args.output.exists():
+        report = "\n\n".join([header, *sections.values()]) + "\n"
+    else:  # a partial run: its sections, with their own command and machine, replace theirs
+        report = args.output.read_text()
+        for section in sections.values():
+            heading, _, body = section.partition("\n\n")
+            section = "\n\n".join([
+                heading, f"Command: `{command_line()}`",
+                md_table(["machine", ""], [[k, v] for k, v in machine.items()]), body,
+            ])
+            report = _replace_section(report, heading, section)
+    print(report)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(report)
+    say(f"wrote {args.output}")
+
+
+def _replace_section(report: str, heading: str, section: str) -> str:
+    """`report` with the section under `heading` (up to the next "## ") replaced by `section`,
+    or with `section` appended where it has none."""
+    start = report.find(heading + "\n")
+    if start < 0:
+        return report.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    end = report.find("\n## ", start + len(heading))
+    rest = report[end + 1:] if end >= 0 else ""
+    return report[:start] + section.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
+
+
+def bandwidth_section(bandwidth: list[list[str]], verdicts: list[str], args) -> str:
+    return "\n\n".join([
         "## Bandwidth (GB/s, ratio to a same-process memcpy of the same bytes)",
         (
             "memcpy: one thread copying the same number of contiguous bytes in this process. "
@@ -383,6 +433,11 @@ def main(argv: list[str] | None = None) -> None:
         md_table(["transfer", "bytes", "memcpy", "shm", "shm, shuffled ids", "zmq (tcp)",
                   "mooncake (tcp)", "mooncake, shuffled ids", "raw TCP"], bandwidth),
         "\n".join(f"- {v}" for v in verdicts),
+    ])
+
+
+def overlap_section(overlap: list[list[str]], overlap_setup: str) -> str:
+    return "\n\n".join([
         "## Transfer hidden behind chunked prefill",
         overlap_setup + " Transfer = wall time outside forward passes; hidden = 1 - "
         "overlapped transfer / synchronous transfer. The last chunk's blocks are written after "
@@ -392,11 +447,18 @@ def main(argv: list[str] | None = None) -> None:
         md_table(["transport", "compute only (s)", "sync (s)", "sync transfer (ms)",
                   "overlapped (s)", "exposed transfer (ms)", "hidden", "hidden, earlier chunks",
                   "forward slowdown"], overlap),
-    ]) + "\n"
-    print(report)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(report)
-    say(f"wrote {args.output}")
+    ])
+
+
+def layer_stream_section(rows: list[list[str]], setup: str) -> str:
+    return "\n\n".join([
+        LAYER_STREAM_HEADING,
+        setup,
+        md_table(["transport", "prompt tokens", "KV",
+                  "last layer -> commit, after the forward (ms)", "by layer group (ms)", "ratio",
+                  "step start -> commit, after the forward (ms)", "by layer group (ms)",
+                  "early writes"], rows),
+    ])
 
 
 if __name__ == "__main__":

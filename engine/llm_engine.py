@@ -7,7 +7,9 @@ sampled tokens, finishes what ended (freeing blocks in the same step) and return
 `EngineStep`: per-request `StepOutput`s, and the prompt blocks the step filled for requests
 whose KV leaves this engine (`export_prompt_blocks`, a prefill node's): a block is exported
 once all its tokens are computed (the partial last one with the prompt's last chunk), held
-for the caller before the step can end its request, so its KV stays until `release_blocks`. Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
+for the caller before the step can end its request, so its KV stays until `release_blocks`;
+given an `ExportSink`, a step hands them out by layer group while its forward runs
+(engine/kv/layer_group_export.py). Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
 live above it (`pdserve.engine.output_processor`), which ends requests through `finish_request`.
 
 A request that breaks a batched step fails alone (engine/step_failure.py). A request with n > 1
@@ -28,6 +30,7 @@ from pdserve.engine.forks import Forks, check_choices
 from pdserve.engine.kv.admission import AdmissionPolicy
 from pdserve.engine.kv.block_manager import BlockManager
 from pdserve.engine.kv.held_blocks import HeldBlocks
+from pdserve.engine.kv.layer_group_export import ExportSink, LayerGroupExport
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import model_class
 from pdserve.engine.outputs import EngineStep, StepOutput
@@ -220,7 +223,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.structured_output.num_held > 0
 
-    def step(self) -> EngineStep:
+    def step(self, export: ExportSink | None = None) -> EngineStep:
+        """One iteration. Exported prompt blocks go to `export` where given, by its layer
+        groups as the forward computes them (engine/kv/layer_group_export.py; every layer
+        after the forward under tensor parallelism); else to the result's `exported_blocks`."""
         ended = self._schedule_compiled() if self.structured_output.num_held else []
         schedule = self.scheduler.schedule()
         self._swap(schedule)
@@ -229,11 +235,15 @@ class LLMEngine:
             return result
         for scheduled in schedule.scheduled:
             self.queue_wait.observe(scheduled.seq)
+        exporting = self._plan_export(schedule, export, result)
+        streams = exporting is not None and export is not None and self.runner.workers is None
         started = time.perf_counter()
         try:
-            samples = self.runner.execute(schedule)
+            samples = self.runner.execute(schedule, exporting.layers_done if streams else None)
         except Exception as error:  # noqa: BLE001 (re-raised, or narrowed to its culprits)
-            self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
+            self._fail_step(schedule, exporting, error)
+        if exporting is not None:
+            exporting.finish()
         num_prefill_tokens = sum(
             s.num_new_tokens for s in schedule.scheduled if s.num_new_tokens > 1
         )
@@ -244,8 +254,6 @@ class LLMEngine:
             self.num_prompt_tokens_computed += scheduled.num_prompt_tokens
             scheduled.seq.num_computed_tokens += scheduled.num_new_tokens
             self.block_manager.cache_computed_blocks(scheduled.seq)
-            if scheduled.seq.request_id in self.num_exported_blocks:
-                self._export_filled_blocks(scheduled.seq, result.exported_blocks)
             seq = scheduled.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:  # a chunk, not the last
                 result.prompt_progress[seq.request_id] = seq.num_computed_tokens - (
@@ -333,19 +341,69 @@ class LLMEngine:
                 )
         return ended
 
-    def _export_filled_blocks(self, seq: Sequence, exported: dict[str, list[int]]) -> None:
-        """Holds the prompt blocks `seq` filled since its last export and lists them."""
-        if seq.num_computed_tokens >= seq.num_prompt_tokens:
-            filled = self.block_manager.blocks_for_tokens(seq.num_prompt_tokens)
-        else:
-            filled = seq.num_computed_tokens // self.block_manager.block_size
-        start = self.num_exported_blocks[seq.request_id]
-        if filled <= start:  # e.g. recomputing after a preemption: already exported
-            return
-        block_ids = seq.block_table[start:filled]
-        self.hold_blocks(block_ids)
-        self.num_exported_blocks[seq.request_id] = filled
-        exported.setdefault(seq.request_id, []).extend(block_ids)
+    def _plan_export(
+        self, schedule: SchedulerOutput, export: ExportSink | None, result: EngineStep
+    ) -> LayerGroupExport | None:
+        """The prompt blocks this step completes for exporting requests (None when none): each
+        is held from its first layers' emission until `release_blocks`, and listed in the
+        result's `exported_blocks` (then, without an `export`, emitted there alone)."""
+        blocks = {}
+        for scheduled in schedule.scheduled:
+            seq = scheduled.seq
+            start = self.num_exported_blocks.get(seq.request_id)
+            if start is None:
+                continue
+            computed = seq.num_computed_tokens + scheduled.num_new_tokens
+            if computed >= seq.num_prompt_tokens:
+                filled = self.block_manager.blocks_for_tokens(seq.num_prompt_tokens)
+            else:
+                filled = computed // self.block_manager.block_size
+            if filled <= start:  # e.g. recomputing after a preemption: already exported
+                continue
+            blocks[seq.request_id] = seq.block_table[start:filled]
+            self.num_exported_blocks[seq.request_id] = filled
+        if not blocks:
+            return None
+
+        def emit(request_id: str, block_ids: list[int], layer_start: int, layer_end: int) -> None:
+            if layer_start == 0:
+                self.hold_blocks(block_ids)
+                result.exported_blocks.setdefault(request_id, []).extend(block_ids)
+            if export is not None:
+                export.emit(request_id, block_ids, layer_start, layer_end)
+
+        num_layers = self.model_config.num_layers
+        group_ends = export.group_ends if export is not None else (num_layers,)
+        return LayerGroupExport(blocks, group_ends, emit)
+
+    def _fail_step(
+        self, schedule: SchedulerOutput, exporting: LayerGroupExport | None, error: Exception
+    ) -> NoReturn:
+        """The step's batch raised `error`: finds its culprits (`_fail_culprits`), settling the
+        step's export either way."""
+        try:
+            self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
+        except StepFailure:
+            if exporting is not None:
+                self._settle_export(exporting, others_ran_alone=True)
+            raise
+        except Exception:
+            if exporting is not None:
+                self._settle_export(exporting, others_ran_alone=False)
+            raise
+
+    def _settle_export(self, exporting: LayerGroupExport, others_ran_alone: bool) -> None:
+        """After a step's batch raised (engine/kv/layer_group_export.py): the culprits' blocks
+        are forgotten (their holds, if any, end with their transfer); with nothing emitted yet
+        the plan is undone and a re-run exports; else, after StepFailure, the others' lone runs
+        completed their KV and the rest of their layers leave (with no culprit found the
+        caller fails every request: what left is released with its transfer)."""
+        exporting.drop([r for r in exporting.blocks if r not in self.num_exported_blocks])
+        if exporting.layers_sent == 0:
+            for request_id, block_ids in exporting.blocks.items():
+                self.num_exported_blocks[request_id] -= len(block_ids)
+        elif others_ran_alone:
+            exporting.finish()
 
     def _fail_culprits(
         self,

@@ -29,13 +29,18 @@ Prefill node (`KVSender`, one per decode node it writes to)
   connect(descriptor, kv_cache, model_fingerprint)  once per decode node, before the first write;
                                  raises `DescriptorMismatch` naming both values of any field
                                  that differs.
-  write(transfer_id, src_block_ids, dst_block_ids, pace_s)  after each prefill chunk's forward,
-                                 for the blocks that chunk completed (the last chunk also writes
-                                 the partial last block), with how long that forward took (the
-                                 decode side gives the next chunk a few times as long); returns
-                                 at once, the copy overlaps the next chunk. Each destination
-                                 block is written once per transfer. The source blocks must stay
-                                 unchanged until the transfer's event.
+  write(transfer_id, src_block_ids, dst_block_ids, pace_s, layer_start, layer_end)
+                                 during or after each prefill chunk's forward, for the blocks
+                                 that chunk completes (the last chunk also writes the partial
+                                 last block), over the layers computed so far: one write per
+                                 layer group as the forward finishes it (prefill_node/node.py),
+                                 or every layer (the default, `layer_end` None) after it; with
+                                 how long that forward takes (the decode side gives the next
+                                 write a few times as long); returns at once, the copy overlaps
+                                 the rest of the forward and the next chunk. Each (destination
+                                 block, layer) pair is written once per transfer; one block's
+                                 layer groups may come in separate writes. The source blocks'
+                                 layers must stay unchanged until the transfer's event.
   poll() / wait(transfer_id, timeout)  COMPLETE (the decode node committed the transfer) or
                                  FAILED (refused, rejected, deadline, aborted, decode node gone);
                                  after either, no source block of the transfer is read again.
@@ -140,7 +145,11 @@ class KVSender(abc.ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         pace_s: float = 0.0,
-    ) -> None: ...
+        layer_start: int = 0,
+        layer_end: int | None = None,
+    ) -> None:
+        """Layers `layer_start` up to `layer_end` (None: the last) of the KV buffer connected
+        (a tensor-parallel node cache's layers: every rank's, rank-major)."""
 
     @abc.abstractmethod
     def poll(self) -> list[TransferEvent]:

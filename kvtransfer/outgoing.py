@@ -41,14 +41,19 @@ class SenderConfig:
 
 @dataclass
 class WriteJob:
-    """One `write`: its blocks, the transport's readiness token, and how long the prefill step
-    that filled them took (`pace_s`, sent with its messages)."""
+    """One `write`: its blocks and layer range, the transport's readiness token, and how long
+    the prefill step that filled them took (`pace_s`, sent with its messages)."""
 
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    layers: range
     ready: object | None
     pace_s: float = 0.0
     steps: deque[WriteStep] | None = None
+
+    @property
+    def layer_mask(self) -> int:
+        return ((1 << self.layers.stop) - 1) ^ ((1 << self.layers.start) - 1)
 
 
 @dataclass
@@ -63,7 +68,7 @@ class OutgoingTransfer:
     deadline: float
     jobs: deque[WriteJob] = field(default_factory=deque)
     granted_blocks: frozenset[int] | None = None
-    written_blocks: set[int] = field(default_factory=set)
+    written_layers: dict[int, int] = field(default_factory=dict)  # block -> layer bit mask
     unacked: set[int] = field(default_factory=set)
 
 

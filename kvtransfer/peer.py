@@ -114,7 +114,10 @@ class Endpoints:
             endpoint.expect(command["transfer_id"], command["block_ids"], deadline)
             return {}
         if cmd == "write":
-            endpoint.write(command["transfer_id"], command["src"], command["dst"])
+            endpoint.write(
+                command["transfer_id"], command["src"], command["dst"],
+                layer_start=command.get("layer_start", 0), layer_end=command.get("layer_end"),
+            )
             return {}
         if cmd == "wait":
             event = endpoint.wait(command["transfer_id"], command["wait_s"])

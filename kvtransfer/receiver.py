@@ -367,8 +367,8 @@ class ChannelReceiver(KVReceiver):
 
     def _refuse(self, message: Data | Written, reason: str) -> Reject | None:
         """A write that failed the ledger's check. One for a committed transfer repeats a write
-        that already landed (every block of every layer arrived, each block is written once per
-        transfer): it is dropped without a Reject, which would fail the sender's transfer."""
+        that already landed (every block of every layer arrived, each (block, layer) pair is
+        written once per transfer): it is dropped without a Reject, which would fail the sender's transfer."""
         with self._lock:
             repeated = self._ledger.committed(message.transfer_id)
         if not repeated:

@@ -124,12 +124,20 @@ class ChannelSender(KVSender):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         pace_s: float = 0.0,
+        layer_start: int = 0,
+        layer_end: int | None = None,
     ) -> None:
         src, dst = list(src_block_ids), list(dst_block_ids)
         if not (math.isfinite(pace_s) and pace_s >= 0):
             raise ValueError(f"pace_s is {pace_s!r}; expected a finite time >= 0")
         if self._descriptor is None:
             raise RuntimeError("connect() the KV sender before writing")
+        num_layers = self._kv_cache.spec.num_layers
+        layer_end = num_layers if layer_end is None else layer_end
+        if not 0 <= layer_start < layer_end <= num_layers:
+            raise ValueError(
+                f"layer range {layer_start}..{layer_end} is outside 0..{num_layers} or empty"
+            )
         if not 0 < len(transfer_id) <= MAX_TRANSFER_ID_CHARS:
             raise ValueError(f"a transfer id has 1-{MAX_TRANSFER_ID_CHARS} characters")
         if not src or len(src) != len(dst):
@@ -143,7 +151,7 @@ class ChannelSender(KVSender):
             bad = [b for b in ids if not 0 <= b < limit]
             if bad:
                 raise ValueError(f"{name} block ids {bad[:8]} are outside 0..{limit - 1}")
-        job = WriteJob(src, dst, self.transport.on_write(), pace_s)
+        job = WriteJob(src, dst, range(layer_start, layer_end), self.transport.on_write(), pace_s)
         self._commands.put(("write", transfer_id, job))
         self._wakeup.wake()
 
@@ -276,8 +284,8 @@ class ChannelSender(KVSender):
                 written = None
                 if job_done:
                     written = self._strategy.finish_job(
-                        self.transport, transfer.transfer_id, job.dst_block_ids,
-                        self._descriptor.spec.num_layers, job.ready, self._take_seq, job.pace_s,
+                        self.transport, transfer.transfer_id, job.dst_block_ids, job.layers,
+                        job.ready, self._take_seq, job.pace_s,
                     )
             except Exception as error:  # fail this transfer, serve the others
                 logger.exception("KV sender: a copy step failed")
@@ -296,7 +304,10 @@ class ChannelSender(KVSender):
                 continue
             if job_done:
                 transfer.jobs.popleft()
-                transfer.written_blocks.update(job.dst_block_ids)
+                for block_id in job.dst_block_ids:
+                    transfer.written_layers[block_id] = (
+                        transfer.written_layers.get(block_id, 0) | job.layer_mask
+                    )
                 if written is not None and not self._send_tracked(transfer, written, 0, None):
                     continue
             more_ready = more_ready or bool(transfer.jobs)
@@ -323,18 +334,24 @@ class ChannelSender(KVSender):
 
     def _start_job(self, transfer: OutgoingTransfer, job: WriteJob) -> bool:
         outside = [b for b in job.dst_block_ids if b not in transfer.granted_blocks]
-        again = [b for b in job.dst_block_ids if b in transfer.written_blocks]
+        again = [
+            b for b in job.dst_block_ids if transfer.written_layers.get(b, 0) & job.layer_mask
+        ]
         if outside or again:
             self._fail(
                 transfer,
                 f"write for request {transfer.transfer_id!r} targets blocks "
                 f"{(outside or again)[:8]} that "
-                + ("the decode node did not reserve for it" if outside else "were written already"),
+                + (
+                    "the decode node did not reserve for it" if outside
+                    else f"were written already in layers {job.layers.start}..{job.layers.stop}"
+                ),
             )
             return False
         job.steps = deque(
             plan_steps(
-                self._kv_cache.spec, job.src_block_ids, job.dst_block_ids, self.config.step_bytes
+                self._kv_cache.spec, job.src_block_ids, job.dst_block_ids, self.config.step_bytes,
+                job.layers,
             )
         )
         return True

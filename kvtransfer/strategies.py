@@ -18,7 +18,8 @@ Who calls what, and when:
                          that carries the step, or None when its bytes have landed already.
   finish_job             the sender's I/O thread, after a write's last step: waits until the
                          copies are in the decode node's memory (`finish_write`) and returns the
-                         Written message that reports them, or None when Data messages did.
+                         Written message that reports them (the write's blocks over its layer
+                         range), or None when Data messages did.
   write_message          the receiver's I/O thread, for each Data or Written message: the one
                          kind this strategy accepts as a write; the other kind is rejected.
   release_after_failure  the ledger, when a granted transfer fails: when its blocks may be
@@ -57,7 +58,7 @@ class WriteStrategy(abc.ABC):
         transport: SenderTransport,
         transfer_id: str,
         dst_block_ids: list[int],
-        num_layers: int,
+        layers: range,
         ready: object | None,
         next_seq: Callable[[], int],
         pace_s: float,
@@ -92,13 +93,15 @@ class DirectWrite(WriteStrategy):
         transport: SenderTransport,
         transfer_id: str,
         dst_block_ids: list[int],
-        num_layers: int,
+        layers: range,
         ready: object | None,
         next_seq: Callable[[], int],
         pace_s: float,
     ) -> Written:
         transport.finish_write(ready)
-        return Written(transfer_id, next_seq(), dst_block_ids, 0, num_layers, pace_s)
+        return Written(
+            transfer_id, next_seq(), dst_block_ids, layers.start, layers.stop, pace_s
+        )
 
     def release_after_failure(self, deadline: float, release_grace_s: float) -> float:
         return deadline + max(release_grace_s, self.write_timeout_s)
@@ -129,7 +132,7 @@ class Streamed(WriteStrategy):
         transport: SenderTransport,
         transfer_id: str,
         dst_block_ids: list[int],
-        num_layers: int,
+        layers: range,
         ready: object | None,
         next_seq: Callable[[], int],
         pace_s: float,

@@ -52,6 +52,13 @@ class NodeConfig:
         "shm", flag="--kv-transport", launcher_sets=True, roles=KV_SENDERS,
         help="how KV moves between prefill and decode nodes: shm, zmq, cuda_ipc or mooncake",
     )
+    kv_layers_per_write: int | None = option(
+        None, flag="--kv-layers-per-write", roles=(Role.PREFILL,), metavar="N",
+        help="a prefill node writes each chunk's KV in groups of N layers, each as soon as the "
+        "forward has computed it, so the copy overlaps the later layers (default: a quarter of "
+        "the model's layers, rounded up; the model's layer count or more: one write after the "
+        "forward; tensor-parallel prefill always writes after the forward)",
+    )
     kv_listen_address: str = option(
         "tcp://127.0.0.1:0", flag="--kv-listen", launcher_sets=True, roles=(Role.DECODE,),
         metavar="ADDR", help="the decode node's KV channel bind address",
@@ -82,6 +89,11 @@ class NodeConfig:
                 raise ValueError(f"{name} is {seconds!r} s; expected a positive, finite time")
         if not self.node_id:
             raise ValueError("node_id must not be empty")
+        layers = self.kv_layers_per_write
+        if layers is not None and (
+            not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= 4096
+        ):
+            raise ValueError(f"kv_layers_per_write is {layers!r}; expected 1-4096 layers")
         threads = self.threads_while_prefill_idle
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads_while_prefill_idle is {threads!r}; expected 1 or more")

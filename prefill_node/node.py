@@ -8,8 +8,10 @@ queues the prompt (prefill_engine.py). A new descriptor from a known decode node
 was restarted: new channel, new buffer) replaces that node's sender; the old one's transfers
 fail. A request then moves through these stages (`Stage`, set in `_enter`; the node loop is
 node/runtime.py's):
-  PREFILLING   queued or computing; the blocks each step fills are written at once (the copy
-               overlaps the next chunk). An engine error fails it (RequestFailed 500); a
+  PREFILLING   queued or computing; the blocks each step fills are written layer group by
+               layer group as its forward computes them (`kv_layers_per_write`; one write
+               after the forward under tensor parallelism), so the copy overlaps the rest of
+               the forward and the next chunk. An engine error fails it (RequestFailed 500); a
                failed tensor-parallel rank (RankFailure) stops the node instead.
   TOKEN_SENT   its first token went to the router (a TokenUpdate with offset 0) and to the
                decode node (PrefillDone); the prompt's blocks stay in the prefix cache; the last
@@ -89,13 +91,22 @@ class PrefillNode(NodeRuntime):
         super().__init__(engine=engine, config=config)
         self.transport = config.kv_transport
         self.fingerprint = model_fingerprint(engine.model_config)
-        self.prefill = PrefillEngine(engine)
+        self.prefill = PrefillEngine(engine, self._layers_per_write(engine_config, config))
         self.senders: dict[str, tuple[bytes, KVSender]] = {}
         self.requests: dict[str, _Request] = {}
         self.prompt_of: dict[str, str] = {}  # a choice's id -> its request's
         self.transfer_failures = 0
         self.transfer_bytes = 0
         self.transfer_seconds = 0.0
+
+    def _layers_per_write(self, engine_config: EngineConfig, config: NodeConfig) -> int:
+        """Layers per KV write: the option, by default a quarter of the model's (rounded up);
+        every layer under tensor parallelism, whose ranks finish a layer each on its own
+        clock (the write must wait for the slowest, which only the step's end knows)."""
+        num_layers = self.engine.model_config.num_layers
+        if engine_config.tensor_parallel_size > 1:
+            return num_layers
+        return min(config.kv_layers_per_write or -(-num_layers // 4), num_layers)
 
     def kv_transfer_totals(self) -> KvTransferTotals:
         return KvTransferTotals(
@@ -225,15 +236,24 @@ class PrefillNode(NodeRuntime):
         """Moves a request to `stage` (module docstring; the sender times every stage)."""
         request.stage = stage
 
-    def _write(self, write: BlockWrite, pace_s: float) -> None:
-        """Hands a step's filled blocks to the request's sender, with how long that step took
-        (the decode node paces the transfer's deadline by it, kvtransfer/ledger.py)."""
+    def _write(self, write: BlockWrite, step_started: float) -> None:
+        """Hands a layer group of a step's filled blocks to the request's sender, with how long
+        the step takes (the decode node paces the transfer's deadline by it,
+        kvtransfer/ledger.py): its time so far, scaled to every layer where the forward has
+        computed only some."""
         request = self.requests[write.request_id]
+        now = time.monotonic()
         if request.first_write_at is None:
-            request.first_write_at = time.monotonic()
-        request.sender.write(write.request_id, write.src_block_ids, write.dst_block_ids, pace_s)
-        num_blocks = len(write.src_block_ids)
-        self.transfer_bytes += num_blocks * self.engine.runner.node_kv_cache.spec.bytes_per_block
+            request.first_write_at = now
+        spec = self.engine.runner.node_kv_cache.spec
+        layer_end = spec.num_layers if write.layer_end is None else write.layer_end
+        pace_s = (now - step_started) * spec.num_layers / layer_end
+        request.sender.write(
+            write.request_id, write.src_block_ids, write.dst_block_ids, pace_s,
+            write.layer_start, write.layer_end,
+        )
+        num_block_layers = len(write.src_block_ids) * (layer_end - write.layer_start)
+        self.transfer_bytes += num_block_layers * spec.bytes_per_block_per_layer
 
     # -- work --------------------------------------------------------------------------------
 
@@ -261,10 +281,9 @@ class PrefillNode(NodeRuntime):
                 self._finish(event.transfer_id)
 
     def _step(self) -> None:
+        started = time.monotonic()
         try:
-            started = time.monotonic()
-            step = self.prefill.step()
-            pace_s = time.monotonic() - started
+            step = self.prefill.step(lambda write: self._write(write, started))
         except StepFailure as failure:  # these alone; the rest of the step runs again
             for request_id, error in failure.errors.items():
                 refusal = step_failure(request_id, error, "prefilling")
@@ -278,8 +297,6 @@ class PrefillNode(NodeRuntime):
             for request_id in list(self.requests):
                 self._fail(request_id, "engine error while prefilling", 500)
             return
-        for write in step.writes:
-            self._write(write, pace_s)
         if step.progress:
             self.send(PromptProgress(self.node_id, step.progress))
         sampled: dict[str, list[FirstToken]] = {}

@@ -5,11 +5,14 @@ Lifecycle of one request:
   add()        queued in the engine with the request's own sampling parameters but
                max_tokens 1, so it ends when its first token is sampled; `dst_block_ids` are
                the blocks the decode node reserved, one per prompt block.
-  each step    `step()` returns the blocks the step filled (and, with the last chunk, the
-               partial last block) as `BlockWrite`s to their targets, for the caller to write
-               at once, so the copy overlaps the next chunk; the engine holds a reference on
-               every exported source block (`export_prompt_blocks`), so neither the request's
-               end nor prefix-cache eviction can reuse it while the transfer may still read it.
+  each step    the blocks the step fills (and, with the last chunk, the partial last block)
+               leave as `BlockWrite`s to their targets, one per layer group (`layers_per_write`,
+               engine/kv/layer_group_export.py): handed to `step(issue)` the moment the forward
+               has computed the group, so the copy of early layers overlaps the compute of later
+               ones and of the next chunk (without `issue`, returned in the step's `writes`);
+               the engine holds a reference on every exported source block
+               (`export_prompt_blocks`), so neither the request's end nor prefix-cache eviction
+               can reuse it while the transfer may still read it.
   first token  returned by `step()` too; the request is then done in the engine (its prompt
                blocks stay in the prefix cache) but its exported blocks stay held until
   release()    the owner calls it when the transfer completed or failed.
@@ -22,8 +25,10 @@ choice and the prompt (`prompt_id`), whose blocks leave once for all of them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.engine.kv.layer_group_export import ExportSink, layer_group_ends
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sample.prompt_logprobs import PromptTokenLogprobs
 from pdserve.engine.sample.sampler import TokenLogprobs
@@ -42,11 +47,14 @@ class FirstToken:
 
 @dataclass
 class BlockWrite:
-    """Filled source blocks of a request and the decode node's blocks they go to."""
+    """Filled source blocks of a request and the decode node's blocks they go to, over layers
+    `layer_start` up to `layer_end` (None: every layer of the cache, as `KVSender.write`)."""
 
     request_id: str
     src_block_ids: list[int]
     dst_block_ids: list[int]
+    layer_start: int = 0
+    layer_end: int | None = None
 
 
 @dataclass
@@ -63,11 +71,16 @@ class PrefillStep:
 class _Outgoing:
     dst_block_ids: list[int]
     held_block_ids: list[int] = field(default_factory=list)  # exported: sent or being sent
+    dst_of: dict[int, int] = field(default_factory=dict)  # held source block -> its target
 
 
 class PrefillEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, layers_per_write: int | None = None) -> None:
+        """`layers_per_write`: the layers of each write (None or the model's layer count: one
+        write of every layer after the forward)."""
         self.engine = engine
+        self.num_layers = engine.model_config.num_layers
+        self.group_ends = layer_group_ends(self.num_layers, layers_per_write or self.num_layers)
         self.outgoing: dict[str, _Outgoing] = {}
         self.prompt_of: dict[str, str] = {}  # a choice's id -> its prompt's, until sampled
 
@@ -101,17 +114,30 @@ class PrefillEngine:
         self.outgoing[request_id] = _Outgoing(list(dst_block_ids))
         self.prompt_of.update((c, request_id) for c, _ in choices or [])
 
-    def step(self) -> PrefillStep:
-        """One engine step: the block writes it made ready (to issue before the first tokens
-        are announced), then the first tokens it sampled."""
-        engine_step = self.engine.step()
-        result = PrefillStep(progress=engine_step.prompt_progress)
-        for request_id, src in engine_step.exported_blocks.items():
+    def step(self, issue: Callable[[BlockWrite], None] | None = None) -> PrefillStep:
+        """One engine step: its block writes, each handed to `issue` as soon as its layers are
+        computed (without `issue`: in the result's `writes`), then the first tokens it sampled
+        (to announce after the writes are issued)."""
+        result = PrefillStep()
+        issue = issue or result.writes.append
+
+        def emit(request_id: str, src: list[int], layer_start: int, layer_end: int) -> None:
             outgoing = self.outgoing[request_id]
-            start = len(outgoing.held_block_ids)
-            outgoing.held_block_ids.extend(src)
-            dst = outgoing.dst_block_ids[start : start + len(src)]
-            result.writes.append(BlockWrite(request_id, src, dst))
+            if layer_start == 0:
+                start = len(outgoing.held_block_ids)
+                outgoing.held_block_ids.extend(src)
+                dst = outgoing.dst_block_ids[start : start + len(src)]
+                outgoing.dst_of.update(zip(src, dst))
+            whole = layer_start == 0 and layer_end == self.num_layers
+            issue(
+                BlockWrite(
+                    request_id, src, [outgoing.dst_of[b] for b in src], layer_start,
+                    None if whole else layer_end,
+                )
+            )
+
+        engine_step = self.engine.step(ExportSink(self.group_ends, emit))
+        result.progress = engine_step.prompt_progress
         for output in engine_step.outputs:
             logprobs = output.new_logprobs[0] if output.new_logprobs else None
             result.first_tokens.append(

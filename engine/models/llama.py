@@ -14,7 +14,7 @@ logits are gathered to rank 0, the only rank whose forward returns them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -205,13 +205,18 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
         backend: AttentionBackend,
         metadata: object,
+        layers_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for the flat batch's selected token positions;
-        under tensor parallelism on rank 0 only (the other ranks return None)."""
+        under tensor parallelism on rank 0 only (the other ranks return None). `layers_done(n)`,
+        where given, is called once the first n layers have written their KV (a prefill step
+        streaming its blocks by layer group: engine/kv/layer_group_export.py)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, backend, metadata)
+            if layers_done is not None:
+                layers_done(index + 1)
         hidden = self.norm(hidden.index_select(0, logits_indices))
         logits = self.lm_head(hidden)
         if self.layout.size == 1:

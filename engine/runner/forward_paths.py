@@ -8,12 +8,15 @@ first whose `can_run(batch)` holds runs it (`choose`).
      prompt logprobs) and is always last.
 The runner builds the list once, with only the paths its model, device and cache can take. The
 three faster paths give logits for every sequence of the batch and none for prompt positions,
-so none of them takes a step that scores prompt logprobs.
+so none of them takes a step that scores prompt logprobs. Only `ModelForward` reports each layer
+it finished (`ForwardBatch.layers_done`, for blocks streamed by layer group); the others never
+run a prompt chunk of more than one token, and their owner emits every layer after them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +39,7 @@ class ForwardBatch:
     flat: FlatBatch
     logits_indices: torch.Tensor
     scores_prompts: bool
+    layers_done: Callable[[int], None] | None = None
 
     @property
     def decodes_only(self) -> bool:
@@ -115,7 +119,8 @@ class ModelForward(ForwardPath):
         flat = batch.flat
         metadata = self.attention.prepare(flat)
         return self.model(
-            flat.input_ids, flat.positions, batch.logits_indices, self.attention, metadata
+            flat.input_ids, flat.positions, batch.logits_indices, self.attention, metadata,
+            batch.layers_done,
         )
 
 

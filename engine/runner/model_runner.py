@@ -323,9 +323,13 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> list[tuple[Sequence, SampleResult]]:
+    def execute(
+        self, step: SchedulerOutput, layers_done: Callable[[int], None] | None = None
+    ) -> list[tuple[Sequence, SampleResult]]:
         """Runs the step; returns a sample for each sequence whose chunk reached its end (for
-        each of its children instead, when it has some: engine/forks.py)."""
+        each of its children instead, when it has some: engine/forks.py). `layers_done(n)` is
+        called as the model's own forward finishes its n-th layer (not by the other forward
+        paths, engine/runner/forward_paths.py)."""
         self.kv_cache.copy_blocks(step.blocks_to_copy)
         ordered = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         batch = build_flat_batch(
@@ -347,7 +351,9 @@ class ModelRunner:
             logits_indices = torch.cat((logits_indices, scoring.rows))
         if self.workers is not None:
             self.workers.send_step(step.blocks_to_copy, batch, logits_indices)
-        forward = ForwardBatch(batch, logits_indices, scores_prompts=scoring is not None)
+        forward = ForwardBatch(
+            batch, logits_indices, scores_prompts=scoring is not None, layers_done=layers_done
+        )
         logits = choose(self.forward_paths, forward).run(forward)
         if scoring is not None:
             num_sampled = batch.logits_indices.numel()

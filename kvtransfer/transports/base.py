@@ -74,20 +74,27 @@ class Outgoing:
 
 
 def plan_steps(
-    spec: KVCacheSpec, src_block_ids: list[int], dst_block_ids: list[int], max_step_bytes: int
+    spec: KVCacheSpec,
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+    max_step_bytes: int,
+    layers: range | None = None,
 ) -> list[WriteStep]:
-    """Cuts a write into steps of at most `max_step_bytes` (or one block-layer if larger):
-    whole blocks with all layers where a block fits, else one block in groups of layers."""
+    """Cuts a write of `layers` (default: all) into steps of at most `max_step_bytes` (or one
+    block-layer if larger): whole blocks with all those layers where they fit, else one block
+    in groups of layers."""
+    layers = layers if layers is not None else range(spec.num_layers)
     layer_bytes = spec.bytes_per_block_per_layer
-    blocks_per_step = max(1, max_step_bytes // spec.bytes_per_block)
-    layers_per_step = spec.num_layers
-    if spec.bytes_per_block > max_step_bytes:
+    bytes_per_block = layer_bytes * len(layers)
+    blocks_per_step = max(1, max_step_bytes // bytes_per_block)
+    layers_per_step = len(layers)
+    if bytes_per_block > max_step_bytes:
         layers_per_step = max(1, max_step_bytes // layer_bytes)
     steps = []
     for group in split_runs(block_runs(src_block_ids, dst_block_ids), blocks_per_step):
         num_blocks = sum(run.length for run in group)
-        for layer_start in range(0, spec.num_layers, layers_per_step):
-            layer_end = min(layer_start + layers_per_step, spec.num_layers)
+        for layer_start in range(layers.start, layers.stop, layers_per_step):
+            layer_end = min(layer_start + layers_per_step, layers.stop)
             nbytes = num_blocks * (layer_end - layer_start) * layer_bytes
             steps.append(WriteStep(group, layer_start, layer_end, nbytes))
     return steps

@@ -57,6 +57,7 @@ ENGINE_CASES = {
 NODE_CASES = {
     "heartbeat_interval": (["--heartbeat-interval", "0.25"], 0.25),
     "transfer_timeout_s": (["--transfer-timeout", "7"], 7.0),
+    "kv_layers_per_write": (["--kv-layers-per-write", "3"], 3),
     "queue_timeout_s": (["--queue-timeout", "9"], 9.0),
 }
 
@@ -214,3 +215,12 @@ def test_the_serve_parser_takes_the_launchers_own_defaults_from_launcher_setting
             if f"`{f.metadata['flag']}" not in serve_tables] == []
     with pytest.raises(ValueError, match="--prefill and --decode need at least one node"):
         serve_args(["--decode", "0"])
+
+
+@pytest.mark.parametrize("layers", [0, -1, 4097, True, 2.5])
+def test_kv_layers_per_write_outside_its_bounds_is_refused_by_name(layers):
+    with pytest.raises(ValueError, match=f"kv_layers_per_write is {layers!r}; expected 1-4096"):
+        NodeConfig(
+            node_id="p", listen_address="tcp://127.0.0.1:1", router_address="tcp://127.0.0.1:2",
+            kv_layers_per_write=layers,
+        )

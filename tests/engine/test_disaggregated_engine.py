@@ -10,24 +10,34 @@ import pytest
 
 from pdserve.engine import LLM, EngineConfig, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.prefill_node.prefill_engine import PrefillEngine
+from pdserve.prefill_node.prefill_engine import BlockWrite, PrefillEngine
 
 
-def disaggregated_generate(prefill: LLMEngine, decode: LLMEngine, prompts, params_list):
+def disaggregated_generate(
+    prefill: LLMEngine, decode: LLMEngine, prompts, params_list, layers_per_write=None
+):
+    """Each write copies its blocks' layers the moment the prefill engine issues it (during
+    the forward, with `layers_per_write` below the model's layer count)."""
     writes = []
-    prefill_engine = PrefillEngine(prefill)
+    prefill_engine = PrefillEngine(prefill, layers_per_write)
     targets = {}
     for index, (prompt, params) in enumerate(zip(prompts, params_list)):
         request_id = f"r{index}"
         targets[request_id] = decode.reserve_blocks(len(prompt))
         prefill_engine.add(request_id, prompt, params, targets[request_id])
     outputs: dict[str, list[int]] = {}
-    while prefill_engine.has_work():
-        step = prefill_engine.step()
-        for write in step.writes:
+
+    def copy(write: BlockWrite) -> None:
+        if write.layer_start == 0:
             writes.append((write.request_id, len(write.src_block_ids)))
-            src, dst = write.src_block_ids, write.dst_block_ids
-            decode.runner.kv_cache.buffer[:, :, dst] = prefill.runner.kv_cache.buffer[:, :, src]
+        src, dst = write.src_block_ids, write.dst_block_ids
+        layers = slice(write.layer_start, write.layer_end)
+        decode.runner.kv_cache.buffer[layers, :, dst] = prefill.runner.kv_cache.buffer[
+            layers, :, src
+        ]
+
+    while prefill_engine.has_work():
+        step = prefill_engine.step(copy)
         for first in step.first_tokens:
             prefill_engine.release(first.request_id)
             index = int(first.request_id[1:])
@@ -60,15 +70,18 @@ def prompts():
     return [shared[: n // 2] + [rng.randrange(3, 500) for _ in range(n - n // 2)] for n in lengths]
 
 
+GREEDY = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20, min_tokens=20)
+
+
 @pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=0, max_tokens=20, min_tokens=20),
-        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20, min_tokens=20),
-    ],
-    ids=["greedy", "seeded"],
+    ("params", "layers_per_write"),
+    [(GREEDY, None), (SEEDED, None), (GREEDY, 1)],
+    ids=["greedy", "seeded", "greedy-per-layer"],
 )
-def test_disaggregated_tokens_equal_colocated_tokens(tiny_llama_dir, prompts, params):
+def test_disaggregated_tokens_equal_colocated_tokens(
+    tiny_llama_dir, prompts, params, layers_per_write
+):
     params_list = [
         SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else i})
         for i in range(len(prompts))
@@ -79,7 +92,9 @@ def test_disaggregated_tokens_equal_colocated_tokens(tiny_llama_dir, prompts, pa
         EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=48)
     )
     decode = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
-    tokens, writes = disaggregated_generate(prefill, decode, prompts, params_list)
+    tokens, writes = disaggregated_generate(
+        prefill, decode, prompts, params_list, layers_per_write
+    )
     assert tokens == expected
     chunked = [rid for rid in {w[0] for w in writes} if sum(1 for w in writes if w[0] == rid) > 1]
     assert chunked, "no prompt was sent in more than one chunk"
@@ -137,3 +152,29 @@ def test_each_chunk_of_a_long_prompt_reports_its_progress_beyond_the_cache(tiny_
         assert progress == [48, 96]  # chunks of 48 after the cache hit
         assert [o.num_cached_tokens for o in outputs] == [cached]
     check_clean(engine)
+
+
+def test_a_one_chunk_prompt_writes_its_first_layers_before_its_forward_ends(tiny_llama_dir):
+    """Layer-group streaming: the prompt fits one chunk, yet its blocks leave layer by layer,
+    the first write before the model's last layer has run (a forward hook marks that)."""
+    prefill = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32"))
+    num_layers = prefill.model_config.num_layers
+    events = []
+    last_layer = prefill.runner.model.layers[-1]
+    hook = last_layer.register_forward_hook(lambda *_: events.append("last layer computed"))
+    prefill_engine = PrefillEngine(prefill, layers_per_write=1)
+    prefill_engine.add("one", list(range(3, 43)), SamplingParams(max_tokens=1), [7, 8, 9])
+    try:
+        step = prefill_engine.step(
+            lambda w: events.append((w.src_block_ids, w.dst_block_ids, w.layer_start,
+                                     w.layer_end))
+        )
+    finally:
+        hook.remove()
+    assert len(step.first_tokens) == 1 and not step.writes
+    writes = [e for e in events if e != "last layer computed"]
+    assert [w[2:] for w in writes] == [(i, i + 1) for i in range(num_layers)]
+    assert all(w[1] == [7, 8, 9] and w[0] == writes[0][0] for w in writes)
+    assert events.index("last layer computed") == num_layers - 1  # after every earlier group
+    prefill_engine.release("one")
+    check_clean(prefill)

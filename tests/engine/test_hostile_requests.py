@@ -258,11 +258,12 @@ def test_request_that_breaks_the_node_step_fails_alone(tiny_llama_dir, clean_tin
     node.engine.check_integrity()
 
 
+@pytest.mark.parametrize("layers_per_write", [None, 1], ids=["after-forward", "per-layer"])
 def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blocks_once(
-    tiny_llama_dir, clean_tiny_llm
+    tiny_llama_dir, clean_tiny_llm, layers_per_write
 ):
-    """The prefill side of the same rule: the others' first tokens are right and each of their
-    blocks goes to the decode node exactly once, though their step ran twice."""
+    """The prefill side of the same rule: the others' first tokens are right and each layer of
+    each of their blocks goes to the decode node exactly once, though their step ran twice."""
     from pdserve.engine import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.prefill_node.prefill_engine import PrefillEngine
@@ -270,7 +271,18 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64))
     engine.runner.sampler = PoisonedSampler(engine.runner.sampler, "poisoned")
     written: dict[str, list[int]] = {}
-    prefill = PrefillEngine(engine)
+    block_layers_written: list[tuple[str, int, int]] = []
+    prefill = PrefillEngine(engine, layers_per_write)
+    num_layers = engine.model_config.num_layers
+
+    def issue(write):
+        if write.layer_start == 0 and write.request_id != "poisoned":
+            written.setdefault(write.request_id, []).extend(write.dst_block_ids)
+        layers = range(write.layer_start, write.layer_end or num_layers)
+        block_layers_written.extend(
+            (write.request_id, b, layer) for b in write.dst_block_ids for layer in layers
+        )
+
     greedy = SamplingParams(temperature=0, max_tokens=8)
     prompts = {f"p{i}": [(7 * i + j) % 500 + 3 for j in range(10 + 9 * i)] for i in range(5)}
     targets = {}
@@ -281,9 +293,7 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
     firsts, failures = {}, {}
     while prefill.has_work():
         try:
-            step = prefill.step()
-            for write in step.writes:
-                written.setdefault(write.request_id, []).extend(write.dst_block_ids)
+            step = prefill.step(issue)
             firsts.update((first.request_id, first.token_id) for first in step.first_tokens)
         except StepFailure as failure:
             failures.update(failure.errors)
@@ -292,6 +302,11 @@ def test_prefill_that_breaks_the_step_fails_alone_and_the_others_write_their_blo
                                                                                max_tokens=1))
     assert [firsts[r] for r in prompts] == [o.token_ids[0] for o in reference]
     assert written == {request_id: targets[request_id] for request_id in prompts}
+    poisoned = [pair for pair in block_layers_written if pair[0] == "poisoned"]
+    assert all(layer < num_layers - 1 for _, _, layer in poisoned)  # its KV never all left
+    expected = {(r, b, layer) for r in prompts for b in targets[r] for layer in range(num_layers)}
+    assert sorted(set(block_layers_written) - set(poisoned)) == sorted(expected)
+    assert len(block_layers_written) - len(poisoned) == len(expected)  # each pair once
     for request_id in [*prompts, "poisoned"]:
         prefill.release(request_id)
     engine.check_integrity()

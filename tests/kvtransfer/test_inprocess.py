@@ -99,6 +99,23 @@ def test_ledger_refuses_blocks_held_by_another_transfer_and_completes_on_every_l
     assert ledger.held_block_count() == 0
 
 
+def test_a_transfer_whose_last_layer_group_never_lands_never_commits():
+    ledger = TransferLedger(num_blocks=8, num_layers=4, strategy=DirectWrite(), release_grace_s=1)
+    ledger.expect("a", [1, 2, 3], deadline=10, now=0)
+    ledger.grant("a", b"w", now=0)
+    ledger.record_write("a", [1, 2], 0, 2, now=1)  # the first chunk's blocks, group by group
+    ledger.record_write("a", [1, 2], 2, 4, now=2)
+    ledger.record_write("a", [3], 0, 2, now=3)  # the last chunk's block: its first group only
+    ledger.record_write("a", [3], 0, 2, now=4)  # a repeat counts once
+    ledger.record_write("a", [3], 1, 3, now=5)  # still short of layer 3
+    assert ledger.take_actions() == ([], [])
+    assert not ledger.committed("a")
+    ledger.expire(now=10)
+    events, _ = ledger.take_actions()
+    assert [e.kind for e in events] == [TransferKind.FAILED]
+    assert "11 of 12 block-layers arrived" in events[0].error
+
+
 def test_failed_direct_write_holds_blocks_until_abandon_or_deadline_plus_grace():
     ledger = TransferLedger(num_blocks=8, num_layers=1, strategy=DirectWrite(), release_grace_s=0.5)
     ledger.expect("granted", [1], deadline=10, now=0)
@@ -300,9 +317,12 @@ def test_writes_outside_the_reservation_or_twice_fail_the_transfer(node_id):
         with pytest.raises(ValueError, match="twice"):
             sender.write("req-4", [0, 1], [3, 3])
         receiver.expect("req-4", [3, 4], time.monotonic() + 3)
-        sender.write("req-4", [0], [3])
-        sender.write("req-4", [1], [3])
-        assert "were written already" in sender.wait("req-4", 3).error
+        with pytest.raises(ValueError, match="layer range 2..2"):
+            sender.write("req-4", [0], [3], layer_start=2, layer_end=2)
+        sender.write("req-4", [0], [3], layer_start=0, layer_end=1)
+        sender.write("req-4", [0], [3], layer_start=1)  # its other layers: a write of their own
+        sender.write("req-4", [1], [3], layer_start=1, layer_end=2)
+        assert "were written already in layers 1..2" in sender.wait("req-4", 3).error
         receiver.expect("req-5", [5], time.monotonic() + 3)
         sender.write("req-5", [0], [6])
         assert "did not reserve" in sender.wait("req-5", 3).error
@@ -361,13 +381,14 @@ def test_steps_cover_each_block_and_layer_once_within_the_step_size():
     spec = KVCacheSpec(num_layers=6, num_kv_heads=2, head_dim=64, block_size=16,
                        dtype=torch.float32)  # 16 KiB per block-layer
     for max_step in (1 << 14, 3 << 14, 1 << 20):
-        steps = plan_steps(spec, [4, 5, 6, 0], [10, 11, 12, 3], max_step)
-        covered = sorted(
-            (dst, layer) for s in steps for dst in s.dst_block_ids
-            for layer in range(s.layer_start, s.layer_end)
-        )
-        assert covered == sorted((d, la) for d in (10, 11, 12, 3) for la in range(6))
-        assert all(s.nbytes <= max(max_step, 1 << 14) for s in steps)
+        for layers in (range(6), range(2, 5)):
+            steps = plan_steps(spec, [4, 5, 6, 0], [10, 11, 12, 3], max_step, layers)
+            covered = sorted(
+                (dst, layer) for s in steps for dst in s.dst_block_ids
+                for layer in range(s.layer_start, s.layer_end)
+            )
+            assert covered == sorted((d, la) for d in (10, 11, 12, 3) for la in layers)
+            assert all(s.nbytes <= max(max_step, 1 << 14) for s in steps)
 
 
 def test_a_stale_segment_of_a_dead_process_is_replaced_and_a_live_ones_is_kept(node_id):

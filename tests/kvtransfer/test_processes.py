@@ -2,8 +2,8 @@
 
 One decode peer and one prefill peer (`kvtransfer/peer.py`) host a receiver and a sender per
 (transport: shm, zmq, mooncake; dtype); each test moves random bytes - shuffled destination
-blocks, a partial last block, several transfers at once, written chunk by chunk - and compares
-SHA-256 per block.
+blocks, a partial last block, several transfers at once, written chunk by chunk and each chunk
+in layer groups - and compares SHA-256 per block.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ SHM_DIR = Path("/dev/shm")
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
 SHAPE = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 8, "block_size": BLOCK_SIZE}
+LAYER_GROUPS = ((0, 2), (2, 3))  # each chunk's blocks leave in two writes, as a forward ends each
 
 
 def leftover_segments(node_prefix: str) -> list[str]:
@@ -93,10 +94,11 @@ def test_random_kv_arrives_bit_exact_in_shuffled_blocks(peers, node_prefix, tran
             if chunk < len(counts) and counts[chunk]:
                 start = positions[request_id]
                 end = start + counts[chunk]
-                prefill.call(
-                    "write", name=name, transfer_id=request_id, src=src[start:end],
-                    dst=dst[start:end],
-                )
+                for layer_start, layer_end in LAYER_GROUPS:
+                    prefill.call(
+                        "write", name=name, transfer_id=request_id, src=src[start:end],
+                        dst=dst[start:end], layer_start=layer_start, layer_end=layer_end,
+                    )
                 positions[request_id] = end
     for request_id, (src, dst, _) in plans.items():
         assert prefill.call("wait", name=name, transfer_id=request_id, wait_s=10)["kind"] == (

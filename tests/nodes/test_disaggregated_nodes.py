@@ -34,14 +34,18 @@ DEADLINE_S = 60.0
 
 
 @pytest.fixture
-def nodes(tiny_llama_dir):
+def nodes(tiny_llama_dir, request):
+    """By default the prefill node writes each layer of the tiny model's two as its own group;
+    a test parametrized with `kv_layers_per_write` sets that instead."""
     tag = uuid.uuid4().hex[:10]
+    layers_per_write = getattr(request, "param", None)
 
     def config(role: str) -> NodeConfig:
         return unlooped_config(
             f"{role}{tag}",
             kv_transport="inprocess",
             kv_listen_address=f"ipc:///tmp/pdserve-test-{tag}",
+            kv_layers_per_write=layers_per_write,
         )
 
     decode = DecodeNode(
@@ -110,6 +114,7 @@ def assert_all_blocks_free(*nodes) -> None:
         assert not node.engine.held_blocks, node.node_id
 
 
+@pytest.mark.parametrize("nodes", [None, 2], ids=["layer-groups", "after-forward"], indirect=True)
 def test_tokens_equal_the_offline_engine_and_every_block_returns(nodes, tiny_llama_dir):
     decode, prefill = nodes
     prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]
