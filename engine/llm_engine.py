@@ -9,7 +9,7 @@ whose KV leaves this engine (`export_prompt_blocks`, a prefill node's): a block 
 once all its tokens are computed (the partial last one with the prompt's last chunk), held
 for the caller before the step can end its request, so its KV stays until `release_blocks`;
 given an `ExportSink`, a step hands them out by layer group while its forward runs
-(engine/kv/layer_group_export.py). Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
+(engine/prompt_export.py). Nodes and the offline `LLM` drive it in a loop; detokenization and stop strings
 live above it (`pdserve.engine.output_processor`), which ends requests through `finish_request`.
 
 A request that breaks a batched step fails alone (engine/step_failure.py). A request with n > 1
@@ -35,6 +35,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import model_class
 from pdserve.engine.outputs import EngineStep, StepOutput
 from pdserve.engine.prompt_checks import check_prompt
+from pdserve.engine.prompt_export import PromptExport
 from pdserve.engine.runner.model_runner import KVCacheFactory, ModelRunner
 from pdserve.engine.sample.prompt_logprobs import PromptTokenLogprobs
 from pdserve.engine.sample.sampler import SampleResult, skip_sample
@@ -122,7 +123,9 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.sequences: dict[str, Sequence] = {}
         self.held_blocks = HeldBlocks(self.block_manager)
-        self.num_exported_blocks: dict[str, int] = {}  # request id -> prompt blocks exported
+        self.prompt_export = PromptExport(
+            self.block_manager, self.model_config.num_layers, self.hold_blocks
+        )
         self.structured_output = StructuredOutput(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
@@ -163,7 +166,7 @@ class LLMEngine:
         held = not self.structured_output.admit(seq)  # its grammar compiles: scheduled later
         self.sequences[request_id] = seq
         if export_prompt_blocks:
-            self.num_exported_blocks[request_id] = 0
+            self.prompt_export.start(request_id)
         if not held:
             self.scheduler.add(seq)
 
@@ -213,7 +216,7 @@ class LLMEngine:
                 self.finish_request(parent.request_id, reason)
             return
         seq = self.sequences.pop(request_id, None)
-        self.num_exported_blocks.pop(request_id, None)
+        self.prompt_export.forget(request_id)
         if seq is not None:
             self.forks.forget(seq)
             if self.structured_output.discard(request_id) is not None:
@@ -235,7 +238,7 @@ class LLMEngine:
             return result
         for scheduled in schedule.scheduled:
             self.queue_wait.observe(scheduled.seq)
-        exporting = self._plan_export(schedule, export, result)
+        exporting = self.prompt_export.plan(schedule, export, result)
         streams = exporting is not None and export is not None and self.runner.workers is None
         started = time.perf_counter()
         try:
@@ -264,7 +267,7 @@ class LLMEngine:
             reason = seq.append_token(sample.token_id)
             if reason is not None:
                 self.sequences.pop(seq.request_id, None)
-                self.num_exported_blocks.pop(seq.request_id, None)
+                self.prompt_export.forget(seq.request_id)
                 self.scheduler.finish(seq, reason)
             result.outputs.append(
                 StepOutput(
@@ -297,7 +300,7 @@ class LLMEngine:
             children = parent.children
             parent_scores = self.forks.fork(parent)
             self.sequences.pop(parent.request_id, None)
-            self.num_exported_blocks.pop(parent.request_id, None)
+            self.prompt_export.forget(parent.request_id)
             self.scheduler.finish(parent, "forked")
             for child in children:
                 self.sequences[child.request_id] = child
@@ -341,41 +344,6 @@ class LLMEngine:
                 )
         return ended
 
-    def _plan_export(
-        self, schedule: SchedulerOutput, export: ExportSink | None, result: EngineStep
-    ) -> LayerGroupExport | None:
-        """The prompt blocks this step completes for exporting requests (None when none): each
-        is held from its first layers' emission until `release_blocks`, and listed in the
-        result's `exported_blocks` (then, without an `export`, emitted there alone)."""
-        blocks = {}
-        for scheduled in schedule.scheduled:
-            seq = scheduled.seq
-            start = self.num_exported_blocks.get(seq.request_id)
-            if start is None:
-                continue
-            computed = seq.num_computed_tokens + scheduled.num_new_tokens
-            if computed >= seq.num_prompt_tokens:
-                filled = self.block_manager.blocks_for_tokens(seq.num_prompt_tokens)
-            else:
-                filled = computed // self.block_manager.block_size
-            if filled <= start:  # e.g. recomputing after a preemption: already exported
-                continue
-            blocks[seq.request_id] = seq.block_table[start:filled]
-            self.num_exported_blocks[seq.request_id] = filled
-        if not blocks:
-            return None
-
-        def emit(request_id: str, block_ids: list[int], layer_start: int, layer_end: int) -> None:
-            if layer_start == 0:
-                self.hold_blocks(block_ids)
-                result.exported_blocks.setdefault(request_id, []).extend(block_ids)
-            if export is not None:
-                export.emit(request_id, block_ids, layer_start, layer_end)
-
-        num_layers = self.model_config.num_layers
-        group_ends = export.group_ends if export is not None else (num_layers,)
-        return LayerGroupExport(blocks, group_ends, emit)
-
     def _fail_step(
         self, schedule: SchedulerOutput, exporting: LayerGroupExport | None, error: Exception
     ) -> NoReturn:
@@ -385,25 +353,12 @@ class LLMEngine:
             self._fail_culprits(schedule.scheduled, schedule.blocks_to_copy, error)
         except StepFailure:
             if exporting is not None:
-                self._settle_export(exporting, others_ran_alone=True)
+                self.prompt_export.settle(exporting, others_ran_alone=True)
             raise
         except Exception:
             if exporting is not None:
-                self._settle_export(exporting, others_ran_alone=False)
+                self.prompt_export.settle(exporting, others_ran_alone=False)
             raise
-
-    def _settle_export(self, exporting: LayerGroupExport, others_ran_alone: bool) -> None:
-        """After a step's batch raised (engine/kv/layer_group_export.py): the culprits' blocks
-        are forgotten (their holds, if any, end with their transfer); with nothing emitted yet
-        the plan is undone and a re-run exports; else, after StepFailure, the others' lone runs
-        completed their KV and the rest of their layers leave (with no culprit found the
-        caller fails every request: what left is released with its transfer)."""
-        exporting.drop([r for r in exporting.blocks if r not in self.num_exported_blocks])
-        if exporting.layers_sent == 0:
-            for request_id, block_ids in exporting.blocks.items():
-                self.num_exported_blocks[request_id] -= len(block_ids)
-        elif others_ran_alone:
-            exporting.finish()
 
     def _fail_culprits(
         self,

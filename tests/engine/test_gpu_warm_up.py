@@ -37,9 +37,9 @@ def record_steps(engine: LLMEngine, monkeypatch) -> list[list[tuple[int, int]]]:
     steps: list[list[tuple[int, int]]] = []
     execute = engine.runner.execute
 
-    def recording_execute(step):
+    def recording_execute(step, layers_done=None):
         steps.append([(s.seq.num_computed_tokens, s.num_new_tokens) for s in step.scheduled])
-        return execute(step)
+        return execute(step, layers_done)
 
     monkeypatch.setattr(engine.runner, "execute", recording_execute)
     return steps
@@ -108,7 +108,7 @@ def test_on_cuda_warm_up_by_default_runs_every_variant_and_waits_for_the_device(
     engine = new_engine(tiny_llama_dir)
     events: list[str] = []
 
-    def fake_execute(step):
+    def fake_execute(step, layers_done=None):
         events.append(f"execute {[s.num_new_tokens for s in step.scheduled]}")
         return [(s.seq, SampleResult(7, None)) for s in step.scheduled if s.completes_prompt]
 

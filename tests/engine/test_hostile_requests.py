@@ -163,10 +163,10 @@ def test_step_that_fails_only_when_batched_raises_its_own_error(clean_tiny_llm, 
     engine = clean_tiny_llm.engine
     real_execute = engine.runner.execute
 
-    def execute(step):
+    def execute(step, layers_done=None):
         if len(step.scheduled) > 1:
             raise RuntimeError("the batch is too big for the device")
-        return real_execute(step)
+        return real_execute(step, layers_done)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
     params = SamplingParams(temperature=0, max_tokens=4)
