@@ -231,6 +231,13 @@ class RouterMetrics:
             "Requests sent again after a node failed them before their first token",
             registry=r,
         )
+        self.planner_role_changes = Counter(
+            "pdserve_planner_role_changes",
+            "Nodes the launcher's run-time planner turned to another role, by the roles and "
+            "the reason",
+            ["from", "to", "reason"],
+            registry=r,
+        )
         self.request_errors = Counter(
             "pdserve_request_errors",
             "Requests answered with an error, by kind",
@@ -346,6 +353,22 @@ class RouterMetrics:
 
     def observe_liveness(self, name: str, role: str, alive: bool) -> None:
         self.node_totals.up[name] = (role, alive)
+
+    def forget_node(self, name: str) -> None:
+        """A node retired for good (router/cluster/node_drain.py): its series go."""
+        self.node_totals.latest.pop(name, None)
+        self.node_totals.up.pop(name, None)
+        for gauge in (
+            self.num_requests_waiting, self.num_requests_running, self.kv_cache_usage_ratio
+        ):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass
+
+    def role_change(self, from_role: str, to_role: str, reason: str) -> None:
+        """The launcher's planner turned a node from one role to another (router/api/admin.py)."""
+        self.planner_role_changes.labels(from_role, to_role, reason).inc()
 
     def error(self, kind: str) -> None:
         self.request_errors.labels(kind).inc()

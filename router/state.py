@@ -19,6 +19,7 @@ from pdserve.router.api.unsupported import UnknownFieldLog
 from pdserve.router.api.validation import KVCapacity, Limits
 from pdserve.router.cluster.admission import AdmissionQueue
 from pdserve.router.cluster.node_client import NodeClient
+from pdserve.router.cluster.node_drain import NodeDrains
 from pdserve.router.cluster.node_registry import NodeState
 from pdserve.router.cluster.stats_log import StatsLog
 from pdserve.router.config import RouterConfig
@@ -81,6 +82,9 @@ class RouterState:
             placement=config.placement,
             registry=self.metrics.registry,
         )
+        self.drains = NodeDrains(self.client, self.metrics.forget_node)
+        # The admin routes' bearer token (router/api/admin.py); None: no cluster secret.
+        self.admin_token = config.cluster_auth.admin_token()
         self.formatter = LogprobFormatter(self.tokenizer)
         self.tokenizer_threads = WorkerThreads(NUM_TOKENIZER_THREADS, "router-tokenize")
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)

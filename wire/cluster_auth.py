@@ -12,6 +12,9 @@ recorded handshake must not make a weak secret cheap to guess). Who calls what:
 The derived public key never travels on the wire, so a peer without the secret cannot complete
 the handshake, which happens when it connects: it is disconnected before any message of it is
 delivered, and a client learns that the server holds the secret too.
+  `admin_token()`          the bearer token of the router's admin routes (router/api/admin.py),
+                           which the launcher's planner calls over loopback HTTP: an HMAC of
+                           the derived key, so it proves the secret without revealing it.
 
 Without a secret (`ClusterAuth.none()`) sockets are left as they are: links in the clear, fit
 for one host only. `check_addresses` refuses a non-loopback address then. The command lines
@@ -21,6 +24,7 @@ read `--cluster-secret` (or `PDSERVE_CLUSTER_SECRET`) once and pass a `ClusterAu
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 MIN_SECRET_CHARS = 16
 _KDF_SALT = b"pdserve cluster CURVE server key v1"
 _KDF_COST = 1 << 14  # scrypt N: about 50 ms and 16 MiB, once per process
+_ADMIN_TOKEN_LABEL = b"pdserve router admin token v1"
 
 
 def check_secret(secret: str) -> None:
@@ -94,6 +99,13 @@ class ClusterAuth:
     @property
     def enabled(self) -> bool:
         return self.server_secret_key is not None
+
+    def admin_token(self) -> str | None:
+        """The bearer token of the router's admin routes; None without a secret (the routes
+        are then closed)."""
+        if not self.enabled:
+            return None
+        return hmac.new(self.server_secret_key, _ADMIN_TOKEN_LABEL, hashlib.sha256).hexdigest()
 
     def secure_server(self, socket: zmq.Socket) -> zmq.Socket:
         """Call before bind()."""

@@ -3,7 +3,8 @@ metrics; router/state.py) per app; nothing is module-global.
 
 Routes (handlers in router/api/routes.py and router/api/tokenization.py): POST /v1/completions,
 POST /v1/chat/completions, GET /v1/models, GET /v1/models/{model_id}, POST /tokenize,
-POST /detokenize, GET /health, GET /metrics.
+POST /detokenize, GET /health, GET /metrics; and the launcher's admin routes under /admin/
+(router/api/admin.py: loopback clients with the cluster's admin token only).
 
 Every request runs behind `access_log.AccessLog` (its request id, `x-request-id`, and its
 access line) and, inside it, `error_handling.RequestGuard`: an unexpected exception is a 500 JSON answer
@@ -23,6 +24,7 @@ from fastapi import FastAPI
 
 from pdserve.router.api import routes, tokenization
 from pdserve.router.api.access_log import AccessLog
+from pdserve.router.api.admin import add_admin_routes
 from pdserve.router.api.auth import APIKeyMiddleware
 from pdserve.router.api.error_handling import RequestGuard, install_error_handlers
 from pdserve.router.api.overload_gate import OverloadGate
@@ -59,4 +61,5 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    add_admin_routes(app)
     return app

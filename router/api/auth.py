@@ -1,6 +1,8 @@
 """API-key check as a pure ASGI middleware (no BaseHTTPMiddleware, which would get in the way
 of streaming and disconnect detection). Every route but /health needs the key (load
-balancers probe /health without credentials). Keys are compared in constant time."""
+balancers probe /health without credentials), and but the admin routes under /admin/, which
+need the cluster's admin token instead (router/api/admin.py). Keys are compared in constant
+time."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pdserve.router.api.error_handling import error_response
 from pdserve.router.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
+ADMIN_PREFIX = "/admin/"  # checked by router/api/admin.py
 
 
 def key_matches(authorization: str, api_key: str) -> bool:
@@ -34,6 +37,7 @@ class APIKeyMiddleware:
             self.api_key
             and scope["type"] == "http"
             and scope.get("path", "") not in OPEN_PATHS
+            and not scope.get("path", "").startswith(ADMIN_PREFIX)
         ):
             headers = dict(scope.get("headers") or [])
             authorization = headers.get(b"authorization", b"").decode("latin-1")

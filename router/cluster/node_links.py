@@ -12,7 +12,8 @@ frames, and the node client decodes them.
 Who calls what: the node client `open()`s the links at start and `close()`s them at stop; the
 node registry `connect()`s a node that joins while they are open; the node client `send()`s a
 Generate (which raises when the node's socket cannot take it) and `send_abort()`s (which
-never raises).
+never raises); the node drain (router/cluster/node_drain.py) `disconnect()`s a node retired
+for good.
 
 With a cluster secret (`cluster_auth`, wire/cluster_auth.py) the PULL socket is a CURVE
 server and every PUSH a CURVE client: a node without the secret can neither send nor be sent to.
@@ -74,6 +75,17 @@ class NodeLinks:
                 event = recv_monitor_message(monitor)["event"]
                 changes.append((node, event == zmq.EVENT_CONNECTED))
         return changes
+
+    def disconnect(self, node: NodeState) -> None:
+        """Closes `node`'s PUSH socket and its monitor: the node is retired for good."""
+        watched = self._monitors.pop(id(node), None)
+        if watched is not None and node.socket is not None:
+            node.socket.disable_monitor()
+        if watched is not None:
+            watched[1].close(linger=0)
+        if node.socket is not None:
+            node.socket.close(linger=0)
+            node.socket = None
 
     def close(self, nodes: list[NodeState]) -> None:
         for node, monitor in self._monitors.values():

@@ -30,6 +30,11 @@ and that was heard within `node_timeout_s` or up at the last sweep: heartbeats t
 while the router's own event loop was blocked (a busy machine, a burst of requests) never make
 a healthy node look dead to the request routed in that moment.
 
+Draining (router/cluster/node_drain.py): a node the launcher is taking out of service (to
+give it another role) is `draining`: `live()` leaves it out, so it gets no new request, while
+the requests it holds finish as usual (liveness, retries and aborts treat it like any node).
+Once its process is stopped, `remove()` forgets it.
+
 Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
 block size); a node that differs in any of them is refused, with a message naming both values,
 and never receives a request. Prefill and decode nodes must also agree on their
@@ -66,6 +71,7 @@ class NodeState:
     up: bool = False  # liveness as of the last sweep()
     connection_lost: bool = False  # the router's connection to it closed and has not reopened
     promised_blocks: int = 0  # prompt blocks of requests sent since its last NodeStats
+    draining: bool = False  # takes no new request (router/cluster/node_drain.py)
 
     @property
     def role(self) -> str | None:
@@ -108,15 +114,25 @@ class NodeRegistry:
         self.kv_shards_reference: int | None = None  # tensor_parallel_size of prefill/decode
 
     def live(self, role: str | None = None) -> list[NodeState]:
-        """Nodes heard within the timeout, or up at the last sweep (module docstring)."""
+        """Nodes that take new requests: heard within the timeout, or up at the last sweep
+        (module docstring), and not draining."""
         now = self.clock()
         return [
             n
             for n in self.nodes
             if (n.up or n.alive(now, self.node_timeout_s))
             and not n.connection_lost
+            and not n.draining
             and (role is None or n.role == role)
         ]
+
+    def find(self, node_id: str) -> NodeState | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def remove(self, node: NodeState) -> None:
+        """Forgets a node retired for good (its process was stopped after a drain)."""
+        self.nodes.remove(node)
+        logger.info("node %s (%s) removed", node.node_id, node.role)
 
     def connection_changed(self, node: NodeState, connected: bool) -> None:
         """The router's connection to `node` opened or closed (its process exited)."""
