@@ -1,7 +1,7 @@
 """The router's admin routes: what the launcher's run-time planner (commands/role_planner.py)
 reads and asks, over loopback HTTP.
 
-  GET    /admin/nodes                 every known node's signals (`node_signals`)
+  GET    /admin/nodes                 every known node's signals (`NodeDrains.describe`)
   POST   /admin/nodes/{id}/drain      stop placing new requests on it (router/cluster/node_drain.py)
   POST   /admin/nodes/{id}/resume     place requests on it again
   DELETE /admin/nodes/{id}            forget an empty, drained node whose process was stopped
@@ -26,8 +26,6 @@ from fastapi import FastAPI, Request
 
 from pdserve.router.api.auth import key_matches
 from pdserve.router.api.body import read_json_object
-from pdserve.router.cluster.node_drain import NodeNotEmpty, NodeNotFound
-from pdserve.router.cluster.node_registry import NodeState
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.state import RouterState
 from pdserve.wire.roles import Role
@@ -57,65 +55,26 @@ def authorize(request: Request) -> RouterState:
     return state
 
 
-def node_signals(state: RouterState, node: NodeState, now: float) -> dict[str, Any]:
-    """What the planner reads of one node: role, liveness, drain state, the requests the
-    router has on it, the node's own queue and KV blocks, and the predicted queue delay of a
-    prompt it would compute (router/cluster/queue_delay.py; 0 when its queue is empty)."""
-    stats = node.stats
-    delay = state.client.prompt_queues.delay(node, 0, now)
-    timeout_s = state.client.registry.node_timeout_s
-    live = not node.connection_lost and (node.up or node.alive(now, timeout_s))
-    return {
-        "node_id": node.node_id,
-        "role": node.role,
-        "address": node.address,
-        "live": live,
-        "state": state.drains.state(node).value,
-        "held": state.drains.held(node),
-        "num_waiting": stats.scheduling.num_waiting if stats else 0,
-        "num_running": stats.scheduling.num_running if stats else 0,
-        "kv_free_blocks": stats.kv.num_free_blocks if stats else 0,
-        "kv_total_blocks": stats.kv.num_total_blocks if stats else 0,
-        "queue_delay_s": delay.seconds if delay is not None else 0.0,
-    }
-
-
 async def list_nodes(request: Request) -> dict[str, Any]:
     state = authorize(request)
-    now = state.client.clock()
-    return {"nodes": [node_signals(state, node, now) for node in state.client.nodes]}
-
-
-def _node_answer(state: RouterState, node_id: str) -> dict[str, Any]:
-    return node_signals(state, state.drains.node(node_id), state.client.clock())
+    drains = state.drains
+    return {"nodes": [drains.describe(node) for node in state.client.nodes]}
 
 
 async def drain_node(request: Request, node_id: str) -> dict[str, Any]:
-    state = authorize(request)
-    try:
-        state.drains.drain(node_id)
-        return _node_answer(state, node_id)
-    except NodeNotFound as error:
-        raise APIError(404, str(error)) from None
+    drains = authorize(request).drains
+    drains.drain(node_id)
+    return drains.describe(drains.node(node_id))
 
 
 async def resume_node(request: Request, node_id: str) -> dict[str, Any]:
-    state = authorize(request)
-    try:
-        state.drains.resume(node_id)
-        return _node_answer(state, node_id)
-    except NodeNotFound as error:
-        raise APIError(404, str(error)) from None
+    drains = authorize(request).drains
+    drains.resume(node_id)
+    return drains.describe(drains.node(node_id))
 
 
 async def remove_node(request: Request, node_id: str) -> dict[str, Any]:
-    state = authorize(request)
-    try:
-        state.drains.remove(node_id)
-    except NodeNotFound as error:
-        raise APIError(404, str(error)) from None
-    except NodeNotEmpty as error:
-        raise APIError(409, str(error)) from None
+    authorize(request).drains.remove(node_id)
     return {"removed": node_id}
 
 

@@ -24,9 +24,11 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from pdserve.router.cluster.node_client import NodeClient
 from pdserve.router.cluster.node_registry import NodeState
+from pdserve.router.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +39,6 @@ class DrainState(enum.StrEnum):
     EMPTY = "empty"
 
 
-class NodeNotFound(LookupError):
-    pass
-
-
-class NodeNotEmpty(RuntimeError):
-    pass
-
-
 class NodeDrains:
     """`on_removed(name)`: a node was removed (its metrics go)."""
 
@@ -53,10 +47,36 @@ class NodeDrains:
         self.on_removed = on_removed
 
     def node(self, node_id: str) -> NodeState:
+        """APIError 404 for a node the router does not know."""
         node = self.client.registry.find(node_id)
         if node is None:
-            raise NodeNotFound(f"no node {node_id!r} is known to the router")
+            raise APIError(404, f"No node {node_id!r} is known to the router.")
         return node
+
+    def describe(self, node: NodeState) -> dict[str, Any]:
+        """What the launcher's planner reads of a node (router/api/admin.py): role, liveness,
+        drain state, the requests the router has on it, the node's own queue and KV blocks,
+        and the predicted queue delay of a prompt it would compute (queue_delay.py; 0 when
+        its queue is empty)."""
+        client, stats = self.client, node.stats
+        now = client.clock()
+        delay = client.prompt_queues.delay(node, 0, now)
+        live = not node.connection_lost and (
+            node.up or node.alive(now, client.registry.node_timeout_s)
+        )
+        return {
+            "node_id": node.node_id,
+            "role": node.role,
+            "address": node.address,
+            "live": live,
+            "state": self.state(node).value,
+            "held": self.held(node),
+            "num_waiting": stats.scheduling.num_waiting if stats else 0,
+            "num_running": stats.scheduling.num_running if stats else 0,
+            "kv_free_blocks": stats.kv.num_free_blocks if stats else 0,
+            "kv_total_blocks": stats.kv.num_total_blocks if stats else 0,
+            "queue_delay_s": delay.seconds if delay is not None else 0.0,
+        }
 
     def held(self, node: NodeState) -> int:
         """Requests the router tracks that still need `node`."""
@@ -91,11 +111,12 @@ class NodeDrains:
         return self.state(node)
 
     def remove(self, node_id: str) -> None:
-        """Forgets an empty node whose process the launcher stopped; NodeNotEmpty otherwise."""
+        """Forgets an empty node whose process the launcher stopped; APIError 409 for a node
+        that is not empty (it would lose requests)."""
         node = self.node(node_id)
         state = self.state(node)
         if state is not DrainState.EMPTY:
-            raise NodeNotEmpty(f"node {node_id!r} is {state}, not empty: drain it first")
+            raise APIError(409, f"Node {node_id!r} is {state}, not empty: drain it first.")
         client = self.client
         client.links.disconnect(node)
         client.prefill_router.forget(node)
