@@ -27,6 +27,11 @@ by its heartbeat, nothing else restarting; the router exiting, or a node crash-l
 everything with status 1. Nodes heartbeat every `--heartbeat-interval` seconds and the router
 calls one dead after `--node-timeout` (default: two intervals).
 
+With `--planner load` (commands/planner_settings.py) a run-time planner turns nodes between
+prefill and decode while the deployment serves: commands/role_changer.py, stepped from the
+supervision loop, drains a node through the router's admin routes, retires its process and
+starts its slot in the other role; its nodes borrow no threads (commands/node_threads.py).
+
 SIGTERM drains: the router answers 503 to new requests while those in flight finish (at most
 `--drain-timeout` seconds), then the nodes stop, and every child has exited and every
 shared-memory segment is gone before the launcher exits 0. SIGINT stops without draining.
@@ -60,6 +65,9 @@ from typing import Any
 from pdserve.commands.child_logs import ChildLogs
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
 from pdserve.commands.node_threads import plan_node_threads, usable_cores
+from pdserve.commands.planner_settings import PlannerMode, PlannerSettings
+from pdserve.commands.role_changer import RoleChanger
+from pdserve.commands.router_admin import RouterAdmin, admin_url
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.supervisor import Deployment
 from pdserve.wire.child_command import python_module_command
@@ -253,9 +261,10 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
                 f"{len(gpus)} are visible"
             )
         placements = [DevicePlacement(tuple(gpus[:tensor_parallel_size]), 1)]
-    threads = plan_node_threads(
+    roles_may_change = getattr(args, "planner", PlannerMode.OFF) != PlannerMode.OFF
+    threads = plan_node_threads(  # a node that may change role borrows nothing
         roles, usable_cores(), bool(gpus), args.threads_per_node,
-        others_may_join=across_hosts,
+        others_may_join=across_hosts or roles_may_change,
     )
     plans, counts = [], dict.fromkeys(Role, 0)
     for index, role in enumerate(roles):
@@ -344,6 +353,16 @@ def serve(args: argparse.Namespace) -> int:
         if logs is not None:
             logs.skip_written()
         ready = True
+        planner = PlannerSettings(**given(PlannerSettings, args))
+        role_changer = None
+        if planner.enabled:
+            admin = RouterAdmin(
+                admin_url(args.host, args.port), router.config.cluster_auth.admin_token()
+            )
+            role_changer = RoleChanger(
+                planner, admin, deployment, nodes, secret_env,
+                lambda: f"tcp://127.0.0.1:{free_port()}", deployment.log,
+            )
         layout = Role.COLOCATED.value if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(
             f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout})",
@@ -361,6 +380,8 @@ def serve(args: argparse.Namespace) -> int:
             if problem is not None:
                 print(f"pdserve: {problem}; stopping", file=sys.stderr)
                 return 1
+            if role_changer is not None:
+                role_changer.step()
             time.sleep(0.2)
         return 0
     finally:

@@ -19,8 +19,9 @@ import dataclasses
 import os
 
 from pdserve.commands.launcher_settings import LauncherSettings
+from pdserve.commands.planner_settings import PlannerSettings
 from pdserve.wire.cluster_auth import SECRET_ENV
-from pdserve.wire.config_flags import add_flags, given
+from pdserve.wire.config_flags import add_flags, given, in_flag_terms
 from pdserve.wire.log_format import LogSettings
 
 
@@ -84,6 +85,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help="a model folder or a Hugging Face Hub id (org/name); default: SmolLM2-135M-Instruct",
     )
     _launcher_flags(model, "model")
+    add_flags(
+        serve.add_argument_group("run-time planner (PlannerSettings)"), PlannerSettings,
+        defaults=True,
+    )
     _node_option_flags(serve)
     _router_option_flags(serve)
     serve.add_argument(
@@ -101,3 +106,28 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"MODEL {args.model_arg!r} and --model {args.model!r} differ; give one")
     args.model = args.model_arg if args.model_arg is not None else args.model
     LauncherSettings(**given(LauncherSettings, args))
+    check_planner_flags(args)
+
+
+def check_planner_flags(args: argparse.Namespace) -> None:
+    """ValueError for a planner option out of range, or a deployment it could not act on."""
+    from pdserve.commands.router_admin import admin_url
+
+    try:
+        planner = PlannerSettings(**given(PlannerSettings, args))
+    except ValueError as error:
+        raise ValueError(in_flag_terms(PlannerSettings, str(error))) from None
+    if not planner.enabled:
+        return
+    if args.colocated:
+        raise ValueError(
+            f"--planner {planner.planner} turns prefill and decode nodes into each other; a "
+            "--colocated deployment has neither"
+        )
+    if args.prefill + args.decode < 3:
+        raise ValueError(
+            f"--planner {planner.planner} keeps one prefill and one decode node serving, so "
+            f"with --prefill {args.prefill} --decode {args.decode} it could never act: give "
+            "three nodes or more"
+        )
+    admin_url(args.host, args.port)

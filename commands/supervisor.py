@@ -13,6 +13,9 @@ Lifecycle of a node child after the deployment is ready:
               node id and listen address) after RESTART_DELAY_S, and rejoins the router by its
               heartbeat; nothing else restarts. A node that exits within QUICK_EXIT_S of its
               start MAX_QUICK_EXITS times in a row is crash-looping: `watch()` reports it.
+Retiring (`retire`, the run-time planner's, commands/role_changer.py, once the router has
+drained the node): SIGTERM at once, SIGKILL after STOP_TIMEOUT_S; once it has exited, its KV
+segment is removed and the child is forgotten, never restarted (`exited()` says when).
 Stopping (`stop`): with a drain timeout, the router gets SIGTERM first (it answers 503 to new
 requests and lets those in flight finish, router/api/drain.py) and up to that timeout plus
 ROUTER_SHUTDOWN_S to exit, while the nodes keep serving; then every child still running gets
@@ -68,6 +71,7 @@ class Child:
     started_at: float = 0.0
     quick_exits: int = 0
     restart_at: float | None = None
+    retiring_since: float | None = None  # `Deployment.retire`d: SIGTERM sent then
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -105,6 +109,20 @@ class Deployment:
         child.started_at = time.monotonic()
         child.restart_at = None
 
+    def retire(self, name: str) -> None:
+        """Stops node `name` for good (module docstring); KeyError for a name not started."""
+        child = next((c for c in self.children if c.name == name and c.is_node), None)
+        if child is None:
+            raise KeyError(f"no node {name!r} was started")
+        child.retiring_since = time.monotonic()
+        child.restart_at = None
+        if child.running():
+            child.process.send_signal(signal.SIGTERM)
+
+    def exited(self, name: str) -> bool:
+        """Whether no child of that name is left (a retired one is forgotten once it exited)."""
+        return not any(c.name == name for c in self.children)
+
     def first_exited(self) -> Child | None:
         return next((c for c in self.children if not c.running()), None)
 
@@ -112,7 +130,10 @@ class Deployment:
         """One supervision round after start-up: restarts nodes that exited (when enabled) and
         returns why the deployment must stop (the router exited, a node crash-loops), or None."""
         now = time.monotonic()
-        for child in self.children:
+        for child in list(self.children):
+            if child.retiring_since is not None:
+                self._watch_retiring(child, now)
+                continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     self.log(f"pdserve: restarting {child.name}")
@@ -135,6 +156,15 @@ class Deployment:
                 self.log(f"pdserve: node {child.name} exited with status {status}")
                 child.restart_at = float("inf")  # never: the deployment serves without it
         return None
+
+    def _watch_retiring(self, child: Child, now: float) -> None:
+        if child.running():
+            if now - child.retiring_since > STOP_TIMEOUT_S:
+                child.process.kill()
+            return
+        remove_kv_segment(child.name)
+        self.children.remove(child)
+        self.log(f"pdserve: node {child.name} retired (status {child.process.returncode})")
 
     def stop(
         self, drain_timeout_s: float | None = None, interrupted: Callable[[], bool] = lambda: False
