@@ -12,6 +12,7 @@ import pytest
 from pdserve.commands.cli import build_parser, main
 from pdserve.commands.launcher import plan_nodes
 from pdserve.commands.model_source import ServedModel, resolve_served_model
+from pdserve.commands.role_changer import plan_in_role
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.serve_flags import check_serve_flags
 from pdserve.node.cli import configs, role_parser
@@ -79,6 +80,26 @@ def test_vllm_engine_flags_reach_every_node_the_launcher_plans(layout):
         assert (config.load_format, config.seed) == ("dummy", 42)
 
 
+def test_a_node_the_planner_turns_keeps_its_slot_and_settings_in_its_new_role():
+    """The slot of a decode node, planned as a prefill node (commands/role_changer.py), parsed
+    by the node's own parser: its role, id and address change, its engine settings do not, and
+    with the planner on no node borrows threads."""
+    args = serve_args([
+        "/models/tiny", "--prefill", "2", "--planner", "load", "--kv-transport", "shm",
+        "--max-num-seqs", "7",
+    ])
+    plans = plan_nodes(args, "/models/tiny", "tcp://127.0.0.1:26990")
+    assert all("threads_while_prefill_idle" not in p.config["node"] for p in plans)
+    decode = plans[-1]
+    turned = plan_in_role(decode, Role.PREFILL, "prefill-2.8000", "tcp://127.0.0.1:26999")
+    assert turned.argv[-1] == "prefill" and turned.name == "prefill-2.8000"
+    engine, node, _ = child_configs(turned)
+    old_engine, old_node, _ = child_configs(decode)
+    assert (node.node_id, node.listen_address) == ("prefill-2.8000", "tcp://127.0.0.1:26999")
+    assert (node.router_address, node.kv_transport) == (old_node.router_address, "shm")
+    assert engine == old_engine and engine.max_num_seqs == 7
+
+
 def test_nodes_keep_the_engine_defaults_when_no_flag_is_given():
     defaults = node_engine_configs(serve_args(["--kv-transport", "shm"]))[0]
     assert (defaults.dtype, defaults.seed, defaults.max_num_seqs) == ("auto", 0, 256)
@@ -123,6 +144,14 @@ def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["/models/a", "--model", "/models/b"], "MODEL '/models/a' and --model '/models/b'"),
+        (["--planner", "slo", "--decode", "2"], "--planner slo is not implemented yet"),
+        (["--planner", "load"], "with --prefill 1 --decode 1 it could never act"),
+        (["--planner", "load", "--colocated"], "a --colocated deployment has neither"),
+        (
+            ["--planner", "load", "--decode", "2", "--planner-kv-usage-high", "2"],
+            "--planner-kv-usage-high is 2.0; expected 0 to 1",
+        ),
+        (["--planner", "load", "--decode", "2", "--host", "10.0.0.1"], "--host is 10.0.0.1"),
     ],
 )
 def test_bad_serve_flags_print_pdserve_serve_usage(capsys, flags, message):
