@@ -142,8 +142,11 @@ class RoleChanger:
 
     def _watch(self, now: float) -> None:
         change = self.policy.decide(self.admin.signals(now))
-        if change is None or change.node_id not in self.plans:
-            return  # no change, or a node this launcher did not start
+        if change is not None and change.node_id in self.plans:  # one this launcher started
+            self.begin(change, now)
+
+    def begin(self, change: RoleChange, now: float) -> None:
+        """Carries `change` out from now on: the router drains its node."""
         self.change = change
         self.admin.drain(change.node_id)
         self.log(f"pdserve: planner: draining {change.describe()}")
