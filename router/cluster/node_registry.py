@@ -33,7 +33,9 @@ a healthy node look dead to the request routed in that moment.
 Draining (router/cluster/node_drain.py): a node the launcher is taking out of service (to
 give it another role) is `draining`: `live()` leaves it out, so it gets no new request, while
 the requests it holds finish as usual (liveness, retries and aborts treat it like any node).
-Once its process is stopped, `remove()` forgets it.
+Once its process is stopped, `remove()` forgets it, and its id for good: a NodeStats or
+Heartbeat of it that was still queued (or any later one under that id) is ignored, so a
+removed node never joins again (node ids are never reused: commands/role_changer.py).
 
 Pairing: the first node to report a model fingerprint sets the reference (fingerprint, dtype,
 block size); a node that differs in any of them is refused, with a message naming both values,
@@ -110,6 +112,7 @@ class NodeRegistry:
         self.connect = connect
         self.clock = clock
         self.on_restart = on_restart
+        self.removed: set[str] = set()  # ids of nodes removed for good
         self.reference: tuple[str, str, int] | None = None
         self.kv_shards_reference: int | None = None  # tensor_parallel_size of prefill/decode
 
@@ -132,6 +135,8 @@ class NodeRegistry:
     def remove(self, node: NodeState) -> None:
         """Forgets a node retired for good (its process was stopped after a drain)."""
         self.nodes.remove(node)
+        if node.node_id is not None:
+            self.removed.add(node.node_id)
         logger.info("node %s (%s) removed", node.node_id, node.role)
 
     def connection_changed(self, node: NodeState, connected: bool) -> None:
@@ -149,6 +154,8 @@ class NodeRegistry:
     def record(self, stats: NodeStats) -> NodeState | None:
         """Stores a node's heartbeat; registers a node that joins with its listen address."""
         identity = stats.identity
+        if identity.node_id in self.removed:
+            return None  # sent before its process stopped, read after it was removed
         node = self._find(identity)
         if node is None:
             logger.warning("stats from unknown node %r ignored", identity.node_id)

@@ -26,7 +26,7 @@ from tests.fault_checks import (
     wait_until_async,
 )
 
-CONCURRENCY = 6
+CONCURRENCY = 8
 AFTER_CHANGE = 6  # requests that must complete after the change, on the new layout
 PLANNER = [
     "--planner", "load", "--planner-interval", "0.2", "--planner-sustain", "0",
@@ -53,7 +53,7 @@ def body(rng: random.Random, model: str) -> dict:
     return {
         "model": model,
         "prompt": [rng.randrange(3, 500) for _ in range(rng.randrange(100, 300))],
-        "max_tokens": 32,
+        "max_tokens": 48,
         "temperature": 0,
         "ignore_eos": True,
     }

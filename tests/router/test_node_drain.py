@@ -94,6 +94,9 @@ def test_a_removed_node_leaves_the_registry_and_the_metrics(tokenizer):
     assert app.state.router.client.registry.find("d0") is None
     assert 'node="d0"' not in call(app, "GET", "/metrics").text
     assert call(app, "DELETE", "/admin/nodes/d0", token=token).status_code == 404
+    # Its last NodeStats, read after the removal, does not bring it back.
+    assert app.state.router.client.record_stats(stats("d0", "decode")) is None
+    assert app.state.router.client.registry.find("d0") is None
 
 
 @pytest.mark.parametrize(
