@@ -37,6 +37,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from pdserve.bench.burst_streams import Outcome, StreamRecord, absorb_event, classify, stream_into
@@ -121,7 +122,9 @@ class Run:
             await asyncio.to_thread(self.sample)
             await asyncio.sleep(SAMPLE_S)
 
-    async def client(self, http: httpx.AsyncClient, phase: str, seed: int, stop: asyncio.Event):
+    async def client(
+        self, http: aiohttp.ClientSession, phase: str, seed: int, stop: asyncio.Event
+    ) -> None:
         _, (low, high), (fewest, most) = PHASES[phase]
         rng = random.Random(seed)
         while not stop.is_set():
@@ -140,7 +143,7 @@ class Run:
             if record.status == 400:  # the bench's own request is wrong: no point going on
                 raise RuntimeError(f"the server refused a request of the bench: {record.body}")
 
-    async def phase(self, http: httpx.AsyncClient, name: str, changes_before: int) -> None:
+    async def phase(self, http: aiohttp.ClientSession, name: str, changes_before: int) -> None:
         stop = asyncio.Event()
         began = self.now()
         tasks = [
@@ -163,9 +166,9 @@ class Run:
     async def drive(self) -> None:
         stop = asyncio.Event()
         sampler = asyncio.create_task(self.sampler(stop))
-        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-        async with httpx.AsyncClient(
-            base_url=self.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S), limits=limits
+        connector = aiohttp.TCPConnector(limit=0)  # one connection per stream
+        async with aiohttp.ClientSession(
+            self.url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)
         ) as http:
             for name in PHASES:
                 await self.phase(http, name, await asyncio.to_thread(self.changes))
