@@ -134,7 +134,7 @@ class SimNode:
                 break
             if seq.stage is SeqStage.DECODING:
                 decodes.append(seq)
-                decode_context += seq.context + 1
+                decode_context += seq.context  # as planner/profile.py counts it
                 budget -= 1
             elif seq.stage is SeqStage.PROMPT:
                 tokens = min(seq.prompt_left, budget)
