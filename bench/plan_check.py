@@ -16,6 +16,7 @@ node idles. Error: |predicted - measured| / measured per number, summarized per 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     cores = usable_cores()
     profile = measure_profile(args.model, quick=args.quick, threads=sorted({1, cores // 2,
                                                                             cores}))
-    print(f"[{time.strftime('%H:%M:%S')}] profile measured in {profile.seconds:.0f} s",
-          flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] profile measured in {profile.seconds:.0f} s: "
+          f"{summary_rows(profile)}", flush=True)
     workloads = goodput.loads(vocabulary(args.model), args)
     predicted = predict(profile, workloads, args, cores)
     measured = {
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "plan_check.md").write_text(text)
         (args.out_dir / "plan_check.json").write_text(json.dumps(
-            {"machine": machine, "predicted": predicted, "measured": measured,
+            {"machine": machine, "profile": dataclasses.asdict(profile),
+             "predicted": predicted, "measured": measured,
              "errors": relative_errors(predicted, measured)}, indent=1, default=str,
         ))
 

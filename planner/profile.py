@@ -4,12 +4,14 @@ token is computed), and writes a profile (planner/profile_file.py).
 
 For each thread count (on a CPU host: one core and every usable core, the shares a node of
 a deployment gets; on a GPU: one table):
-  prefill  one prompt of each of PREFILL_TOKENS tokens (up to the step budget) per step;
+  prefill  one prompt of each size (up to the step budget) per step;
   decode   `batch` prompts of each context length prefilled, then timed decode steps at each
            batch size, largest first, aborting requests to shrink the batch.
+Each point is timed `repeats` times and keeps the median: on a shared host other processes
+add outliers, which a least-squares fit would follow.
 And once: a copy of a KV-sized buffer (the bandwidth a KV transfer is charged), the KV bytes
 per token and the KV cache's capacity. The grid is fixed, so the run time is bounded: about a
-minute and a half for the default model on 2 CPU cores, a few seconds with `quick`.
+minute for the default model on 2 CPU cores, a few seconds with `quick`.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ class ProfileGrid:
     prefill_tokens: tuple[int, ...]
     contexts: tuple[int, ...]
     batches: tuple[int, ...]  # largest first
-    decode_steps: int  # timed per (context, batch)
+    repeats: int  # timings per point; the median is kept (other processes add outliers)
     copy_bytes: int
 
 
-FULL = ProfileGrid((32, 128, 512, 1024, 2048), (128, 1024), (8, 4, 1), 4, 64 << 20)
+FULL = ProfileGrid((64, 256, 1024, 2048), (128, 768), (6, 3, 1), 3, 64 << 20)
 QUICK = ProfileGrid((16, 64), (32,), (2, 1), 2, 1 << 20)
 QUICK_KV_CACHE_BYTES = 16 << 20
 
@@ -118,12 +120,14 @@ def _prefill_steps(engine: LLMEngine, prompts: _Prompts, grid: ProfileGrid) -> l
     budget = engine.config.max_num_batched_tokens
     for tokens in grid.prefill_tokens:
         tokens = min(tokens, budget, engine.max_model_len - 1)
-        request_id, ids = prompts.next(tokens)
-        engine.add_request(request_id, ids, SamplingParams(max_tokens=1, ignore_eos=True))
-        seconds, _ = _timed_step(engine)
-        while engine.has_unfinished_requests():
-            engine.step()
-        samples.append(StepSample.prefill(tokens, 0, seconds))
+        times = []
+        for _ in range(grid.repeats):
+            request_id, ids = prompts.next(tokens)
+            engine.add_request(request_id, ids, SamplingParams(max_tokens=1, ignore_eos=True))
+            times.append(_timed_step(engine)[0])
+            while engine.has_unfinished_requests():
+                engine.step()
+        samples.append(StepSample.prefill(tokens, 0, statistics.median(times)))
     return samples
 
 
@@ -146,13 +150,16 @@ def _decode_steps(engine: LLMEngine, prompts: _Prompts, grid: ProfileGrid) -> li
                 engine.abort_request(generated.popitem()[0])
             for output in engine.step().outputs:  # untimed: the batch's first step
                 generated[output.request_id] += len(output.new_token_ids)
-            for _ in range(grid.decode_steps):
+            times, attended = [], []
+            for _ in range(grid.repeats):
                 # each sequence attends to its prompt, its tokens so far and the new one
-                attended = sum(context + n for n in generated.values())
+                attended.append(sum(context + n for n in generated.values()))
                 seconds, outputs = _timed_step(engine)
-                samples.append(StepSample(0, 0, len(generated), attended, seconds))
+                times.append(seconds)
                 for output in outputs:
                     generated[output.request_id] += len(output.new_token_ids)
+            samples.append(StepSample(0, 0, len(generated), int(statistics.median(attended)),
+                                      statistics.median(times)))
         for request_id in generated:
             engine.abort_request(request_id)
         engine.step()
