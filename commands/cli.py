@@ -4,6 +4,8 @@
   pdserve generate PROMPT...  one-shot greedy generation, printed as it streams
   pdserve chat                interactive chat with the model's chat template
   pdserve serve [MODEL]       the OpenAI-compatible HTTP server (router + nodes)
+  pdserve profile             measure one node's step times on this device (planner/)
+  pdserve plan --workload F   the layout, chunk size and thresholds with the best goodput
   pdserve bench serve         load-test an OpenAI-compatible server (python -m pdserve.bench.serve)
   pdserve colocated|prefill|decode [flags]
                               one node that joins a router elsewhere (python -m pdserve.node)
@@ -18,6 +20,7 @@ import logging
 import sys
 
 from pdserve.commands.serve_flags import add_engine_flags, add_serve_flags, check_serve_flags
+from pdserve.commands.workload_plan import add_profile_parser, add_workload_flags
 from pdserve.wire.roles import Role
 
 NODE_ROLES = tuple(Role)
@@ -106,6 +109,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.workload is not None:
+        from pdserve.commands.workload_plan import cmd_workload_plan
+
+        return cmd_workload_plan(args)
+    if args.model is None:
+        args.parser.error("the capacity plan needs --model (or --workload for a workload plan)")
     from pdserve.commands.plan import (
         parse_bytes,
         plan_capacity,
@@ -170,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_flags(serve)
     serve.set_defaults(run=cmd_serve, parser=serve)
-    plan = sub.add_parser("plan", help="KV cache size and maximum concurrency for a model")
-    plan.add_argument("--model", required=True, help="a model folder or a known name")
+    plan = sub.add_parser(
+        "plan", help="KV cache size and maximum concurrency for a model; with --workload, the "
+        "layout with the best goodput per device"
+    )
+    plan.add_argument("--model", default=None, help="a model folder or a known name")
     plan.add_argument(
         "--dtype", default="bf16",
         help="KV and weight dtype (default bf16, what --dtype auto runs on CUDA and on CPUs with "
@@ -186,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         defaults=True,
     )
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    add_workload_flags(plan)
     plan.set_defaults(run=cmd_plan, parser=plan)
+    add_profile_parser(sub)
     sub.add_parser(
         "bench", help="serve: load-test any OpenAI-compatible server", add_help=False
     ).add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -62,6 +62,7 @@ SLOW_MODULES = (
     "nodes/test_disaggregated_nodes.py",
     "nodes/test_fp8_disaggregated_nodes.py",
     "nodes/test_node_heartbeat.py",
+    "planner/test_profile_command.py",
 )
 
 # The kernel tests run the Triton kernels on the CPU in Triton's interpreter. Triton reads this

@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "prefill_node": {"node", "engine", "kvtransfer", "wire"},
     "decode_node": {"node", "engine", "kvtransfer", "wire"},
     "router": {"wire", "text"},
+    "planner": {"bench", "engine", "router", "wire"},
     "commands": set(PROJECT),
     "bench": None,
     "testing": set(),
