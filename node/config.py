@@ -56,8 +56,9 @@ class NodeConfig:
         None, flag="--kv-layers-per-write", roles=(Role.PREFILL,), metavar="N",
         help="a prefill node writes each chunk's KV in groups of N layers, each as soon as the "
         "forward has computed it, so the copy overlaps the later layers (default: a quarter of "
-        "the model's layers, rounded up; the model's layer count or more: one write after the "
-        "forward; tensor-parallel prefill always writes after the forward)",
+        "the model's layers, rounded up, on a GPU; one write after the forward on a CPU, where "
+        "the copy would take the forward's cores; the model's layer count or more: one write "
+        "after the forward; tensor-parallel prefill always writes after the forward)",
     )
     kv_listen_address: str = option(
         "tcp://127.0.0.1:0", flag="--kv-listen", launcher_sets=True, roles=(Role.DECODE,),

@@ -100,13 +100,19 @@ class PrefillNode(NodeRuntime):
         self.transfer_seconds = 0.0
 
     def _layers_per_write(self, engine_config: EngineConfig, config: NodeConfig) -> int:
-        """Layers per KV write: the option, by default a quarter of the model's (rounded up);
-        every layer under tensor parallelism, whose ranks finish a layer each on its own
-        clock (the write must wait for the slowest, which only the step's end knows)."""
+        """Layers per KV write: every layer under tensor parallelism, whose ranks finish a
+        layer each on its own clock (the write must wait for the slowest, which only the
+        step's end knows); else the option; by default a quarter of the model's (rounded up)
+        on a GPU, whose copies run beside the forward, and every layer on a CPU, whose copies
+        take the cores the forward's later layers need (docs/performance.md)."""
         num_layers = self.engine.model_config.num_layers
         if engine_config.tensor_parallel_size > 1:
             return num_layers
-        return min(config.kv_layers_per_write or -(-num_layers // 4), num_layers)
+        if config.kv_layers_per_write is not None:
+            return min(config.kv_layers_per_write, num_layers)
+        if self.engine.runner.device.type == "cpu":
+            return num_layers
+        return -(-num_layers // 4)
 
     def kv_transfer_totals(self) -> KvTransferTotals:
         return KvTransferTotals(

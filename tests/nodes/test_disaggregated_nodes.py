@@ -38,7 +38,7 @@ def nodes(tiny_llama_dir, request):
     """By default the prefill node writes each layer of the tiny model's two as its own group;
     a test parametrized with `kv_layers_per_write` sets that instead."""
     tag = uuid.uuid4().hex[:10]
-    layers_per_write = getattr(request, "param", None)
+    layers_per_write = getattr(request, "param", 1)
 
     def config(role: str) -> NodeConfig:
         return unlooped_config(
@@ -114,7 +114,15 @@ def assert_all_blocks_free(*nodes) -> None:
         assert not node.engine.held_blocks, node.node_id
 
 
-@pytest.mark.parametrize("nodes", [None, 2], ids=["layer-groups", "after-forward"], indirect=True)
+@pytest.mark.parametrize("nodes", [None], ids=["default"], indirect=True)
+def test_on_a_cpu_a_chunk_leaves_in_one_write_after_its_forward_by_default(nodes):
+    _, prefill = nodes
+    num_layers = prefill.engine.model_config.num_layers
+    assert prefill.engine.runner.device.type == "cpu"
+    assert prefill.prefill.group_ends == (num_layers,)
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["layer-groups", "after-forward"], indirect=True)
 def test_tokens_equal_the_offline_engine_and_every_block_returns(nodes, tiny_llama_dir):
     decode, prefill = nodes
     prompts = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70))]
