@@ -6,12 +6,7 @@ the drain timeout passes without waiting for it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
-import time
 from pathlib import Path
-
-import uvicorn
 
 from pdserve.commands.launcher import NodePlan, free_port
 from pdserve.commands.planner_settings import PlannerSettings
@@ -19,7 +14,6 @@ from pdserve.commands.role_changer import RoleChanger, Stage
 from pdserve.commands.role_planner import ChangeReason, RoleChange
 from pdserve.commands.router_admin import RouterAdmin
 from pdserve.commands.supervisor import Deployment
-from pdserve.router.__main__ import uvicorn_config
 from pdserve.router.api.app import create_app
 from pdserve.router.cluster.inflight import InFlight
 from pdserve.router.config import RouterConfig
@@ -27,26 +21,9 @@ from pdserve.text.tokenizer import load_tokenizer
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.roles import Role
 from tests.node_stats import node_stats
+from tests.router.served import serving
 
 SECRET = "the role changer test's cluster secret"
-
-
-@contextlib.contextmanager
-def serving(app):
-    config = app.state.router.config
-    config.port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, config))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_a_node_that_does_not_drain_in_time_keeps_its_role_and_serves_again(tiny_llama_dir):
