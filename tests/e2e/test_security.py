@@ -22,6 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.commands.serve_process import ServeProcess
 from pdserve.router.api.app import create_app
+from pdserve.router.api.auth import ADMIN_PREFIX
 from pdserve.router.config import RouterConfig
 from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.messages import Heartbeat, NodeStats, encode
@@ -256,10 +257,19 @@ def test_every_route_but_health_needs_the_api_key(server, tiny_llama_dir):
                 )
                 if path == "/health":
                     assert response.status_code == 200
+                elif path.startswith(ADMIN_PREFIX):  # the cluster's admin token, not the key
+                    assert response.status_code == 401, (method, path, headers)
+                    assert response.json()["error"]["code"] == "invalid_admin_token"
                 else:
                     assert response.status_code == 401, (method, path, headers)
                     assert response.json()["error"]["code"] == "invalid_api_key"
     authorized = {"authorization": f"Bearer {KEY}"}
+    admin = [(path, methods) for path, methods in routes if path.startswith(ADMIN_PREFIX)]
+    assert admin
+    for path, methods in admin:  # the API key does not open the admin routes either
+        for method in methods:
+            response = httpx.request(method, f"{server.url}{path}", headers=authorized, json={})
+            assert response.status_code == 401, (method, path)
     assert httpx.get(f"{server.url}/v1/models", headers=authorized).status_code == 200
     assert httpx.get(f"{server.url}/metrics", headers=authorized).status_code == 200
     assert generate(server).status_code == 200
