@@ -90,7 +90,9 @@ def drain(server: ServeProcess, bodies: list[dict]) -> tuple[list[StreamResult],
 
 def test_sigterm_lets_requests_in_flight_finish_and_leaves_nothing_behind(tiny_llama_dir):
     server = ServeProcess(["--model", str(tiny_llama_dir), *FLAGS, "--drain-timeout", "60"])
-    results, _ = drain(server, stream_bodies(tiny_llama_dir.name, 8, 200))
+    # Long enough streams that they are still in flight when the probes see the 503 (with 200
+    # tokens the tiny model could finish them, and the router exit, between two probes).
+    results, _ = drain(server, stream_bodies(tiny_llama_dir.name, 8, 800))
     for result in results:
         assert result.completed and result.done and result.finish_reason == "length", result
         assert len(result.token_times) > 100
