@@ -36,8 +36,8 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import aiohttp
 import httpx
 
 from pdserve.bench.burst_streams import Outcome, StreamRecord, absorb_event, classify, stream_into
@@ -65,6 +65,9 @@ HOLD_S = 15.0
 PHASE_CAP_S = 150.0
 SAMPLE_S = 0.5
 REQUEST_TIMEOUT_S = 300.0
+
+if TYPE_CHECKING:
+    import aiohttp  # the bench extra: the GPU image and a bare install lack it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -164,6 +167,8 @@ class Run:
                             "changed_at": changed_at})
 
     async def drive(self) -> None:
+        import aiohttp
+
         stop = asyncio.Event()
         sampler = asyncio.create_task(self.sampler(stop))
         connector = aiohttp.TCPConnector(limit=0)  # one connection per stream

@@ -48,8 +48,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import aiohttp
 import httpx
 
 from pdserve.bench.burst_streams import Outcome, outcome_unless_ended, stream_into
@@ -93,6 +93,9 @@ KINDS = {
     "json_schema": "/v1/chat/completions, `response_format` json_schema {name, age}",
     "guided_choice": f"/v1/chat/completions, `guided_choice` {CHOICES}",
 }
+
+if TYPE_CHECKING:
+    import aiohttp  # the bench extra: the GPU image and a bare install lack it
 
 
 # -- the requests -------------------------------------------------------------------------------
@@ -258,6 +261,8 @@ async def run_traffic(
     url: str, model: str, vocab: list[int], args: argparse.Namespace, launcher_pid: int
 ) -> tuple[list[SoakRecord], NodeWatch, float]:
     """The traffic stage: records, what the scrapes saw, and its length in seconds."""
+    import aiohttp
+
     connector = aiohttp.TCPConnector(limit=args.concurrency)
     records: list[SoakRecord] = []
     watch = NodeWatch()
