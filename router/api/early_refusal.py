@@ -8,7 +8,7 @@ checks, one access line and one write.
 
 What the client sees is what the app would have answered (router/api/overload_gate.py): the
 same status, OpenAI error body and headers (`Retry-After`), its `x-request-id`, the server's
-default headers, counted in `pdserve_router_errors_total` and logged as an access line, plus
+default headers, counted in `pdserve_request_errors_total` and logged as an access line, plus
 `connection: close`: the request's body is never read, and the client reconnects when it
 retries. The connection leaves to the app (`answer` returns None) every request it cannot
 answer alike: one whose path no check guards, one that passes the checks, and one whose API
