@@ -65,7 +65,7 @@ def run_client_floor(
     from pdserve.bench.burst import run_async, send_burst
     from pdserve.bench.burst_streams import summarize
     from pdserve.bench.cpu_hog import busy_cores
-    from pdserve.commands.launcher import free_port
+    from pdserve.wire.free_ports import free_port
 
     port = free_port()
     server = subprocess.Popen(

@@ -51,7 +51,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -73,16 +72,11 @@ from pdserve.commands.supervisor import Deployment
 from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.config_flags import given, in_flag_terms
+from pdserve.wire.free_ports import free_port
 from pdserve.wire.log_format import LogSettings
 from pdserve.wire.roles import Role
 
 READY_TIMEOUT_S = 600.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def node_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

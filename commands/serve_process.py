@@ -7,8 +7,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from pdserve.commands.launcher import free_port, wait_healthy
+from pdserve.commands.launcher import wait_healthy
 from pdserve.wire.child_command import python_module_command
+from pdserve.wire.free_ports import free_port
 
 
 class ServeProcess:

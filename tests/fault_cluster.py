@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.commands.launcher import free_port
+from pdserve.wire.free_ports import free_port
 from tests.fault_checks import assert_no_leaked_blocks
 
 SHM_DIR = Path("/dev/shm")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.commands.launcher import free_port
+from pdserve.wire.free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France? Answer in one sentence."

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.commands.launcher import free_port
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
 from pdserve.model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
+from pdserve.wire.free_ports import free_port
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.commands.launcher import free_port
+from pdserve.wire.free_ports import free_port
 from tests.fault_checks import alive, children_of, live_nodes, wait_until
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from pdserve.commands.launcher import NodePlan, free_port
+from pdserve.commands.launcher import NodePlan
 from pdserve.commands.planner_settings import PlannerSettings
 from pdserve.commands.role_changer import RoleChanger, Stage
 from pdserve.commands.role_planner import ChangeReason, RoleChange
@@ -19,6 +19,7 @@ from pdserve.router.cluster.inflight import InFlight
 from pdserve.router.config import RouterConfig
 from pdserve.text.tokenizer import load_tokenizer
 from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.free_ports import free_port
 from pdserve.wire.roles import Role
 from tests.node_stats import node_stats
 from tests.router.served import serving

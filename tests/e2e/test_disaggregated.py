@@ -20,8 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.commands.launcher import free_port
 from pdserve.commands.serve_process import ServeProcess
+from pdserve.wire.free_ports import free_port
 from tests.fault_checks import assert_no_leaked_blocks, live_nodes, wait_until
 from tests.mooncake_env import require_mooncake
 

@@ -25,6 +25,7 @@ from pdserve.router.api.app import create_app
 from pdserve.router.api.auth import ADMIN_PREFIX
 from pdserve.router.config import RouterConfig
 from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.free_ports import free_port
 from pdserve.wire.messages import Heartbeat, NodeStats, encode
 from pdserve.wire.node_stats import KvCacheStats, NodeIdentity, SchedulingStats
 from tests.fault_checks import wait_until
@@ -135,16 +136,10 @@ def node_stats(node_id: str) -> bytes:
     """A well-formed registration the router would log as refused (a foreign model)."""
     identity = NodeIdentity(
         node_id, "prefill", 64, 512,
-        listen_address=f"tcp://127.0.0.1:{free_tcp_port()}", model_fingerprint=f"not-{node_id}",
+        listen_address=f"tcp://127.0.0.1:{free_port()}", model_fingerprint=f"not-{node_id}",
         dtype="float32", block_size=16,
     )
     return encode(NodeStats(identity, SchedulingStats(0, 0, 0), KvCacheStats(0, 0)))
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def send_everywhere(ports: list[int], payloads: list[bytes], auth: ClusterAuth) -> list[int]:

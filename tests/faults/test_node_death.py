@@ -1,4 +1,4 @@
-"""`kill -9` of a node under 32 concurrent streams, real processes (`pdserve serve`, tiny model,
+"""`kill -9` of a node under 32 or 48 concurrent streams, real processes (`pdserve serve`, tiny model,
 KV over shared memory, prefill in 32-token chunks so it is still running when the kill lands).
 
 - A prefill node dies while most prompts are still being prefilled (2 prefill + 1 decode):
@@ -106,7 +106,9 @@ def test_prefill_node_killed_mid_prefill_requests_are_retried_and_the_node_rejoi
         victim, survivor, decoder = f"prefill-0.{port}", f"prefill-1.{port}", f"decode-0.{port}"
         wait_for_nodes(server, 3)
         pids = node_pids(server.process.pid)
-        requests = bodies(tiny_llama_dir.name, 32, range(400, 600), range(8, 24), seed=1)
+        # 48 prompts, about 24 per prefill node: the victim's unserved ones alone are at least
+        # 16, however many the survivor finishes before the router sees the death.
+        requests = bodies(tiny_llama_dir.name, 48, range(400, 600), range(8, 24), seed=1)
         results, killed_at, detected = run_with_kill(
             server.url, requests, pids[victim], first_tokens(1), victim
         )

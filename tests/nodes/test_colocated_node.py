@@ -8,7 +8,6 @@ expects a clean exit 0 (killing it if it does not stop in time).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 import zmq
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.wire.free_ports import free_port
 from pdserve.wire.messages import (
     Abort,
     Generate,
@@ -36,12 +36,6 @@ ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
 PROMPTS = [[5, 17, 99, 300], [42] * 9, list(range(100, 131))]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Router:

@@ -13,12 +13,12 @@ import time
 
 import zmq
 
-from pdserve.commands.launcher import free_port
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.node.colocated import ColocatedNode
 from pdserve.node.config import NodeConfig
 from pdserve.router.cluster.node_registry import NodeRegistry
+from pdserve.wire.free_ports import free_port
 from pdserve.wire.messages import Generate, Heartbeat, NodeStats, decode, encode
 from pdserve.wire.sampling_params import SamplingParams
 from tests.node_stats import node_stats

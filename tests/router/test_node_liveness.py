@@ -12,10 +12,10 @@ import time
 
 import zmq
 
-from pdserve.commands.launcher import free_port
 from pdserve.router.cluster.node_links import NodeLinks
 from pdserve.router.cluster.node_registry import NodeRegistry
 from pdserve.wire.cluster_auth import ClusterAuth
+from pdserve.wire.free_ports import free_port
 from pdserve.wire.messages import NodeStats
 from tests.node_stats import node_stats
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 import zmq
 
-from pdserve.commands.launcher import free_port
 from pdserve.commands.serve_process import ServeProcess
 from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
 from pdserve.kvtransfer import (
@@ -29,6 +28,7 @@ from pdserve.kvtransfer import (
     TransferKind,
 )
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth, is_loopback
+from pdserve.wire.free_ports import free_port
 from tests.fault_checks import HEARTBEAT_S, children_of, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
