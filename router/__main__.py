@@ -23,6 +23,7 @@ import gc
 import json
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -119,22 +120,31 @@ def parse_args(
     return config, log
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The router's HTTP socket, bound before anything else starts: a port another program
+    holds is one line naming the address, not uvicorn's exit status 3 after a traceback."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as error:
+        raise SystemExit(
+            f"cannot listen on {host}:{port}: {error.strerror or error}"
+        ) from None
+
+
 async def serve(config: RouterConfig, log: LogSettings) -> None:
+    listener = listening_socket(config.host, config.port)
+    port = listener.getsockname()[1]
     app = create_app(config)
     server = DrainingServer(
         uvicorn_config(app, config, log.uvicorn_level), app.state.router, config.drain_timeout_s
     )
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         if task.done():
             await task  # startup failed: surface its exception
             raise SystemExit(1)
         await asyncio.sleep(0.02)
-    port = config.port
-    for srv in server.servers:
-        for sock in srv.sockets:
-            port = sock.getsockname()[1]
-            break
     # What startup built (the app, the tokenizer, the imported modules) lives as long as the
     # router: out of the collector's generations, each collection during a burst scans only
     # what requests allocated (a 1,000-request burst spent 0.24 s of 1.4 s CPU in collections).

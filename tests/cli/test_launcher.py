@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -124,6 +125,22 @@ def test_a_child_that_fails_to_start_is_one_line_naming_it_and_its_log(tiny_llam
     assert match[2] != "0" and match[3].strip()
     log = Path(match[4]).read_text()
     assert match[3] in log and "Traceback" in log
+
+
+def test_a_port_another_program_holds_is_one_line_naming_the_address(tiny_llama_dir):
+    with socket.create_server(("127.0.0.1", free_port())) as holder:
+        port = holder.getsockname()[1]
+        launcher = subprocess.run(
+            [sys.executable, "-m", "pdserve.commands.cli", "serve", str(tiny_llama_dir),
+             "--port", str(port), "--colocated"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+    assert launcher.returncode == 1
+    assert "Traceback" not in launcher.stderr
+    assert (
+        f"pdserve: router exited with status 1 during start-up: cannot listen on "
+        f"127.0.0.1:{port}: Address already in use"
+    ) in launcher.stderr
 
 
 def test_a_router_stopped_by_two_quick_sigints_exits_quietly(tiny_llama_dir, tmp_path):
