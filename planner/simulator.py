@@ -7,8 +7,8 @@ Life of a request in the simulation (the router's and nodes', docs/design.md):
                sequences) and where the prompt is computed: the policy of
                router/cluster/prefill_placement.py, with its thresholds from its own
                PlacementSettings (auto: LOCAL when the decode node lacks at most
-               `local_prefill_tokens` of it, or when the prefill node's predicted queue delay
-               passes `local_prefill_queue_delay_s` and the decode node's own is smaller);
+               `local_prefill_tokens` of it, or when the prefill node would have computed
+               it only after `local_prefill_queue_delay_s` and the decode node sooner);
   LOCAL        the decode node computes the prompt in chunks mixed into its decode steps; its
                first token comes with the step that computes the last chunk;
   REMOTE       the prefill node computes it in chunks (prompts only); each chunk's KV goes to
@@ -17,9 +17,9 @@ Life of a request in the simulation (the router's and nodes', docs/design.md):
                last chunk (TTFT does not wait for the transfer); the sequence joins the decode
                node's batch when its last chunk's KV has arrived;
   decoding     one token per step of its node until its output length.
-Predicted queue delays mirror router/cluster/queue_delay.py: the larger of (prompt tokens
-queued + the prompt's own) / the node's prefill speed and the age of the oldest prompt that
-has not started; 0 for an empty queue. A node's prefix cache holds a shared prefix once it
+When a node would have computed a prompt mirrors router/cluster/queue_delay.py's
+`computed_in_s`: the larger of (prompt tokens queued + the prompt's own) / the node's prefill
+speed and the age of the oldest prompt that has not started. A node's prefix cache holds a shared prefix once it
 computed it. A decode node that is the only one beside prefill nodes may borrow their cores
 while none of them computes (commands/node_threads.py): `NodeCosts.decode_while_prefill_idle`.
 Not modelled: preemption, HTTP and detokenization time, the router's own latency.
@@ -200,12 +200,12 @@ class _Cluster:
         if local_tokens <= policy.local_prefill_tokens:
             return Placement.LOCAL
         prefill = self._pick_prefill(request)
-        remote_s = self._queue_delay_s(
+        remote_s = self._computed_in_s(
             prefill, request.prompt_tokens - prefill.cached_tokens(request)
         )
         if (
             remote_s > policy.local_prefill_queue_delay_s
-            and self._queue_delay_s(decode, local_tokens) < remote_s
+            and self._computed_in_s(decode, local_tokens) < remote_s
         ):
             return Placement.LOCAL
         return Placement.REMOTE
@@ -214,14 +214,17 @@ class _Cluster:
         """The longest cached prefix, then the fewest queued prompt tokens."""
         return max(self.prefill, key=lambda n: (n.cached_tokens(request), -n.prompt_backlog))
 
-    def _queue_delay_s(self, node: SimNode, num_tokens: int) -> float:
-        backlog = node.prompt_backlog
-        if backlog == 0:
-            return 0.0
-        speed = node.cost.prefill_tokens_per_s(node.budget)
+    def _computed_in_s(self, node: SimNode, num_tokens: int) -> float:
+        """router/cluster/queue_delay.py's `computed_in_s`: the node's queued prompt tokens and
+        the prompt's own at its prefill speed (a lone decode node's with the borrowed cores),
+        or the oldest waiting prompt's age where that is longer."""
+        cost = node.cost
+        if self.borrows and node in self.decode:
+            cost = self.costs.decode_while_prefill_idle
+        speed = cost.prefill_tokens_per_s(node.budget)
         oldest = node.oldest_waiting_since()
         age = self.now - oldest if oldest is not None else 0.0
-        return max((backlog + num_tokens) / speed, age)
+        return max((node.prompt_backlog + num_tokens) / speed, age)
 
     def _kick(self, node: SimNode) -> None:
         if node.busy:

@@ -127,7 +127,8 @@ class RouterConfig:
         PlacementSettings.local_prefill_queue_delay_s, flag="--local-prefill-queue-delay",
         metavar="SECONDS",
         help="--disagg-policy auto: a longer prompt is computed on the decode node when the "
-        "prefill node's predicted queue delay exceeds this and the decode node's is shorter",
+        "prefill node would have computed it (its queue and the prompt itself) only after "
+        "this and the decode node sooner",
     )
     # Streaming: a write to the client blocked this long aborts the request; at most this many
     # tokens wait in the router for a client that reads slower than the node generates.

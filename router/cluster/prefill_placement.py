@@ -16,14 +16,18 @@ decode node's streams. The policy (`--disagg-policy`):
           the choice):
             no prefill node is alive                                  LOCAL   no_prefill_node
             its tokens the decode node lacks <= local_prefill_tokens  LOCAL   short_prompt
-            the chosen prefill node's predicted queue delay exceeds
-            local_prefill_queue_delay_s and the decode node's own
-            predicted delay is smaller                                 LOCAL   prefill_queue
+            the chosen prefill node would have computed it only after
+            more than local_prefill_queue_delay_s, and the decode node
+            sooner                                                     LOCAL   prefill_queue
             otherwise                                                  REMOTE  long_prompt
 The tokens a node lacks are the prompt less its longest prefix that node likely has cached,
 from the router's prefix index (router/cluster/routing.py), which learns the prompts computed
-on decode nodes as it learns those sent to prefill nodes. Predicted queue delays are the
-router's (router/cluster/queue_delay.py). Every choice is counted by placement and reason
+on decode nodes as it learns those sent to prefill nodes. When a node would have computed a
+prompt is the router's prediction (`PromptQueues.computed_in_s`, router/cluster/queue_delay.py):
+its queue and the prompt itself at the speed it drains at. The prompt itself counts: where a
+prefill node is slower than the decode node (on a CPU host whose cores the two share, the
+decode node has them all while no prompt is being prefilled) a long prompt into an empty
+prefill queue is still computed sooner on the decode node. Every choice is counted by placement and reason
 (`pdserve_prefill_placements_total`).
 
 Why auto by default: on one mixed, bursty workload (bench/results/goodput.md; 2 CPU cores)
@@ -133,10 +137,16 @@ class PrefillPlacement:
         if local.num_tokens <= self.local_prefill_tokens:
             return local  # the prefill nodes' index is not even read
         remote = self._remote(prefill_nodes, prompt, "long_prompt")
-        remote_s = self._queue_delay_s(remote.prefill, remote.num_tokens)
-        prefill_queue_is_long = remote_s > self.local_prefill_queue_delay_s
-        if prefill_queue_is_long and self._queue_delay_s(decode_node, local.num_tokens) < remote_s:
-            return PlacementChoice(Placement.LOCAL, "prefill_queue", None, local.num_tokens)
+        now = self.clock()
+        remote_s = self.queues.computed_in_s(remote.prefill, remote.num_tokens, now)
+        if remote_s > self.local_prefill_queue_delay_s:
+            # A decode node that has computed no prompt yet is taken to be as fast as the
+            # prefill node: only the queues then tell them apart.
+            local_s = self.queues.computed_in_s(
+                decode_node, local.num_tokens, now, self.queues.speed(remote.prefill)
+            )
+            if local_s < remote_s:
+                return PlacementChoice(Placement.LOCAL, "prefill_queue", None, local.num_tokens)
         return remote
 
     def _local(self, decode_node: NodeState, prompt: list[int], reason: str) -> PlacementChoice:
@@ -148,8 +158,3 @@ class PrefillPlacement:
     ) -> PlacementChoice:
         prefill, cached = self.prefill_router.pick(prefill_nodes, prompt)
         return PlacementChoice(Placement.REMOTE, reason, prefill, len(prompt) - cached)
-
-    def _queue_delay_s(self, node: NodeState, num_tokens: int) -> float:
-        """The predicted queue delay at `node` of a prompt of `num_tokens` (0: empty queue)."""
-        delay = self.queues.delay(node, num_tokens, self.clock())
-        return delay.seconds if delay is not None else 0.0

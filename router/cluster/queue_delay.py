@@ -204,8 +204,18 @@ class PromptQueues:
         nothing waits there (an empty queue always admits)."""
         if not self._holds_any(node):
             return None
+        return self._predict(node, num_tokens, now, self.speed(node))
+
+    def computed_in_s(
+        self, node: NodeState, num_tokens: int, now: float, default_speed: float = 0.0
+    ) -> float:
+        """Predicted seconds until `node` has computed a new prompt of `num_tokens`: as
+        `delay`, but an empty queue still holds the prompt itself; at `default_speed` where
+        the node's is not known (0.0 when neither is: no prediction)."""
+        return self._predict(node, num_tokens, now, self.speed(node) or default_speed).seconds
+
+    def _predict(self, node: NodeState, num_tokens: int, now: float, speed: float) -> QueueDelay:
         queued = self.tokens(node) + num_tokens
-        speed = self.speed(node)
         backlog_s = queued / speed if speed > 0 else 0.0
         waiting = self._waiting.get(node.address)
         oldest_age_s = max(now - next(iter(waiting.values())).sent_at, 0.0) if waiting else 0.0

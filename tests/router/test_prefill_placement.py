@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
 from pdserve.router.config import RouterConfig
 from pdserve.wire.sampling_params import SamplingParams
-from tests.router.test_failover import NODE_TIMEOUT_S, beat, cluster, generates, node
+from tests.router.test_failover import NODE_TIMEOUT_S, beat, cluster, generates, node, stats
 
 ONE_TOKEN = SamplingParams(max_tokens=1)
 LOCAL_PREFILL_TOKENS = 32
@@ -86,6 +86,34 @@ def test_auto_computes_a_long_prompt_locally_when_the_prefill_queue_is_long():
     beat(client, clock, "p0", "d0", until=2.0)  # not started yet: its queue delay is 2 s
     assert sent_prefill(client, sockets, "next", list(range(300, 400))) is None
     assert placements(registry, "local", "prefill_queue") == 1
+
+
+@pytest.mark.parametrize(
+    ("prefill_speed", "decode_speed", "placed_on"),
+    [
+        (500.0, 1000.0, None),  # 100 tokens: 0.2 s there, 0.1 s here: computed here
+        (1000.0, 1000.0, "tcp://p0"),  # as fast: the prefill node, sparing the streams
+        (1000.0, 0.0, "tcp://p0"),  # the decode node's speed not known yet: as fast
+        (10_000.0, 1000.0, "tcp://p0"),  # 0.01 s there: under the threshold
+    ],
+)
+def test_auto_counts_the_prompt_itself_when_the_prefill_queue_is_empty(
+    prefill_speed, decode_speed, placed_on
+):
+    """A prefill node slower than the decode node (a CPU host's cores shared between them)
+    computes a long prompt later even with nothing queued: it stays on the decode node when
+    the prefill node would pass the threshold."""
+    registry = CollectorRegistry()
+    settings = PlacementSettings(
+        DisaggPolicy.AUTO, local_prefill_tokens=LOCAL_PREFILL_TOKENS,
+        local_prefill_queue_delay_s=0.05,
+    )
+    client, _, sockets = cluster("p0", "d0", placement=settings, registry=registry)
+    client.record_stats(stats("p0", "prefill", prefill_tokens_per_s=prefill_speed))
+    client.record_stats(stats("d0", "decode", prefill_tokens_per_s=decode_speed))
+    assert sent_prefill(client, sockets, "long", list(range(100, 200))) == placed_on
+    reason = ("local", "prefill_queue") if placed_on is None else ("remote", "long_prompt")
+    assert placements(registry, *reason) == 1
 
 
 def test_auto_serves_from_decode_nodes_while_no_prefill_node_is_alive_and_retries_there():
