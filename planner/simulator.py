@@ -18,8 +18,8 @@ Life of a request in the simulation (the router's and nodes', docs/design.md):
                node's batch when its last chunk's KV has arrived;
   decoding     one token per step of its node until its output length.
 When a node would have computed a prompt mirrors router/cluster/queue_delay.py's
-`computed_in_s`: the larger of (prompt tokens queued + the prompt's own) / the node's prefill
-speed and the age of the oldest prompt that has not started. A node's prefix cache holds a shared prefix once it
+`computed_in_s`: its queue (the larger of its queued prompt tokens / its prefill speed and the
+age of the oldest prompt that has not started), then the prompt's own tokens at that speed. A node's prefix cache holds a shared prefix once it
 computed it. A decode node that is the only one beside prefill nodes may borrow their cores
 while none of them computes (commands/node_threads.py): `NodeCosts.decode_while_prefill_idle`.
 Not modelled: preemption, HTTP and detokenization time, the router's own latency.
@@ -215,16 +215,19 @@ class _Cluster:
         return max(self.prefill, key=lambda n: (n.cached_tokens(request), -n.prompt_backlog))
 
     def _computed_in_s(self, node: SimNode, num_tokens: int) -> float:
-        """router/cluster/queue_delay.py's `computed_in_s`: the node's queued prompt tokens and
-        the prompt's own at its prefill speed (a lone decode node's with the borrowed cores),
-        or the oldest waiting prompt's age where that is longer."""
+        """router/cluster/queue_delay.py's `computed_in_s`: the node's queue (its queued prompt
+        tokens at its prefill speed, or the oldest waiting prompt's age where that is longer),
+        then the prompt itself at that speed (a lone decode node's with the borrowed cores)."""
         cost = node.cost
         if self.borrows and node in self.decode:
             cost = self.costs.decode_while_prefill_idle
         speed = cost.prefill_tokens_per_s(node.budget)
-        oldest = node.oldest_waiting_since()
-        age = self.now - oldest if oldest is not None else 0.0
-        return max((node.prompt_backlog + num_tokens) / speed, age)
+        queue_s = 0.0
+        if node.prompt_backlog:
+            oldest = node.oldest_waiting_since()
+            age = self.now - oldest if oldest is not None else 0.0
+            queue_s = max(node.prompt_backlog / speed, age)
+        return queue_s + num_tokens / speed
 
     def _kick(self, node: SimNode) -> None:
         if node.busy:

@@ -24,7 +24,7 @@ The tokens a node lacks are the prompt less its longest prefix that node likely 
 from the router's prefix index (router/cluster/routing.py), which learns the prompts computed
 on decode nodes as it learns those sent to prefill nodes. When a node would have computed a
 prompt is the router's prediction (`PromptQueues.computed_in_s`, router/cluster/queue_delay.py):
-its queue and the prompt itself at the speed it drains at. The prompt itself counts: where a
+its queue at the speed it drains at, then the prompt itself at the speed the node measured. The prompt itself counts: where a
 prefill node is slower than the decode node (on a CPU host whose cores the two share, the
 decode node has them all while no prompt is being prefilled) a long prompt into an empty
 prefill queue is still computed sooner on the decode node. Every choice is counted by placement and reason
@@ -143,7 +143,7 @@ class PrefillPlacement:
             # A decode node that has computed no prompt yet is taken to be as fast as the
             # prefill node: only the queues then tell them apart.
             local_s = self.queues.computed_in_s(
-                decode_node, local.num_tokens, now, self.queues.speed(remote.prefill)
+                decode_node, local.num_tokens, now, self.queues.prompt_speed(remote.prefill)
             )
             if local_s < remote_s:
                 return PlacementChoice(Placement.LOCAL, "prefill_queue", None, local.num_tokens)

@@ -204,19 +204,27 @@ class PromptQueues:
         nothing waits there (an empty queue always admits)."""
         if not self._holds_any(node):
             return None
-        return self._predict(node, num_tokens, now, self.speed(node))
-
-    def computed_in_s(
-        self, node: NodeState, num_tokens: int, now: float, default_speed: float = 0.0
-    ) -> float:
-        """Predicted seconds until `node` has computed a new prompt of `num_tokens`: as
-        `delay`, but an empty queue still holds the prompt itself; at `default_speed` where
-        the node's is not known (0.0 when neither is: no prediction)."""
-        return self._predict(node, num_tokens, now, self.speed(node) or default_speed).seconds
-
-    def _predict(self, node: NodeState, num_tokens: int, now: float, speed: float) -> QueueDelay:
         queued = self.tokens(node) + num_tokens
+        speed = self.speed(node)
         backlog_s = queued / speed if speed > 0 else 0.0
         waiting = self._waiting.get(node.address)
         oldest_age_s = max(now - next(iter(waiting.values())).sent_at, 0.0) if waiting else 0.0
         return QueueDelay(max(backlog_s, oldest_age_s), queued, speed, oldest_age_s)
+
+    def prompt_speed(self, node: NodeState) -> float:
+        """Prompt tokens per second the node computes a prompt at: its own measurement over
+        its prefill steps (NodeStats), else its queue's drain speed (0.0: not known). The
+        drain speed counts each request's fixed costs too, so short prompts make it low."""
+        measured = node.stats.scheduling.prefill_tokens_per_s if node.stats is not None else 0.0
+        return measured or self.speed(node)
+
+    def computed_in_s(
+        self, node: NodeState, num_tokens: int, now: float, default_speed: float = 0.0
+    ) -> float:
+        """Predicted seconds until `node` has computed a new prompt of `num_tokens`: its queue
+        (`delay` of what waits there), then the prompt itself at `prompt_speed`
+        (`default_speed` where that is not known; nothing where neither is)."""
+        queue = self.delay(node, 0, now)
+        speed = self.prompt_speed(node) or default_speed
+        own_s = num_tokens / speed if speed > 0 else 0.0
+        return (queue.seconds if queue is not None else 0.0) + own_s
