@@ -31,8 +31,8 @@ prefill queue is still computed sooner on the decode node. Every choice is count
 (`pdserve_prefill_placements_total`).
 
 Why auto by default: on one mixed, bursty workload (bench/results/goodput.md; 2 CPU cores)
-1P1D with auto reached 0.90-1.12x colocated's goodput at every load, where 1P1D computing
-every prompt on its prefill node reached 0.03-0.99x.
+1P1D with auto reached 0.96-1.05x colocated's goodput at every load, where 1P1D computing
+every prompt on its prefill node reached 0.24-0.91x.
 """
 
 from __future__ import annotations
