@@ -19,8 +19,8 @@ Life of a request in the simulation (the router's and nodes', docs/design.md):
   decoding     one token per step of its node until its output length.
 When a node would have computed a prompt mirrors router/cluster/queue_delay.py's
 `computed_in_s`: its queue (the larger of its queued prompt tokens / its prefill speed and the
-age of the oldest prompt that has not started), then the prompt's own tokens at that speed. A node's prefix cache holds a shared prefix once it
-computed it. A decode node that is the only one beside prefill nodes may borrow their cores
+age of the oldest prompt that has not started), then the prompt's own tokens at that speed.
+A node's prefix cache holds a shared prefix once it computed it. A decode node that is the only one beside prefill nodes may borrow their cores
 while none of them computes (commands/node_threads.py): `NodeCosts.decode_while_prefill_idle`.
 Not modelled: preemption, HTTP and detokenization time, the router's own latency.
 """

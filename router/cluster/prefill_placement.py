@@ -23,11 +23,12 @@ decode node's streams. The policy (`--disagg-policy`):
 The tokens a node lacks are the prompt less its longest prefix that node likely has cached,
 from the router's prefix index (router/cluster/routing.py), which learns the prompts computed
 on decode nodes as it learns those sent to prefill nodes. When a node would have computed a
-prompt is the router's prediction (`PromptQueues.computed_in_s`, router/cluster/queue_delay.py):
-its queue at the speed it drains at, then the prompt itself at the speed the node measured. The prompt itself counts: where a
-prefill node is slower than the decode node (on a CPU host whose cores the two share, the
-decode node has them all while no prompt is being prefilled) a long prompt into an empty
-prefill queue is still computed sooner on the decode node. Every choice is counted by placement and reason
+prompt is the router's prediction (`PromptQueues.computed_in_s`,
+router/cluster/queue_delay.py): its queue at the speed it drains at, then the prompt itself
+at the speed the node measured. The prompt itself counts: where a prefill node is slower than
+the decode node (on a CPU host whose cores the two share, the decode node has them all while
+no prompt is being prefilled) a long prompt into an empty prefill queue is still computed
+sooner on the decode node. Every choice is counted by placement and reason
 (`pdserve_prefill_placements_total`).
 
 Why auto by default: on one mixed, bursty workload (bench/results/goodput.md; 2 CPU cores)

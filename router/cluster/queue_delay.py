@@ -103,6 +103,11 @@ class QueuedPrompt:
         return self.num_tokens - self.num_computed
 
 
+def measured_by_node(node: NodeState) -> float:
+    """The prefill speed the node measured over its own steps (NodeStats; 0.0: not yet)."""
+    return node.stats.scheduling.prefill_tokens_per_s if node.stats is not None else 0.0
+
+
 class PromptQueues:
     """Per computing node: its waiting requests (request id -> QueuedPrompt, oldest first),
     its computing ones, and its `DrainMeter`. Every change says when it happened (`now`), so
@@ -195,9 +200,7 @@ class PromptQueues:
         """Prompt tokens per second the node's queue drains at (0.0: not known)."""
         meter = self._meters.get(node.address)
         observed = meter.tokens_per_s if meter is not None else None
-        if observed is not None:
-            return observed
-        return node.stats.scheduling.prefill_tokens_per_s if node.stats is not None else 0.0
+        return observed if observed is not None else measured_by_node(node)
 
     def delay(self, node: NodeState, num_tokens: int, now: float) -> QueueDelay | None:
         """The predicted queue delay of a new request of `num_tokens` at `node`; None when
@@ -215,8 +218,7 @@ class PromptQueues:
         """Prompt tokens per second the node computes a prompt at: its own measurement over
         its prefill steps (NodeStats), else its queue's drain speed (0.0: not known). The
         drain speed counts each request's fixed costs too, so short prompts make it low."""
-        measured = node.stats.scheduling.prefill_tokens_per_s if node.stats is not None else 0.0
-        return measured or self.speed(node)
+        return measured_by_node(node) or self.speed(node)
 
     def computed_in_s(
         self, node: NodeState, num_tokens: int, now: float, default_speed: float = 0.0

@@ -1,5 +1,6 @@
-"""`kill -9` of a node under 32 or 48 concurrent streams, real processes (`pdserve serve`, tiny model,
-KV over shared memory, prefill in 32-token chunks so it is still running when the kill lands).
+"""`kill -9` of a node under 32 or 48 concurrent streams, real processes (`pdserve serve`, tiny
+model, KV over shared memory, prefill in 32-token chunks so it is still running when the kill
+lands).
 
 - A prefill node dies while most prompts are still being prefilled (2 prefill + 1 decode):
   the router calls it dead at once (its connection closes); every request with no token yet is
