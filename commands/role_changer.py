@@ -1,5 +1,5 @@
 """The run-time planner in the launcher: reads the router's signals, asks the policy
-(commands/role_planner.py), and carries a role change out, one node at a time, without losing
+(commands/role_planner.py for `--planner load`, commands/slo_policy.py for `slo`), and carries a role change out, one node at a time, without losing
 a request.
 
 The launcher's supervision loop calls `step()` a few times a second; each call does at most
@@ -35,9 +35,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.commands.planner_settings import PlannerSettings
-from pdserve.commands.role_planner import LoadPolicy, RoleChange
+from pdserve.commands.planner_settings import PlannerMode, PlannerSettings
+from pdserve.commands.role_planner import LoadPolicy, RoleChange, RolePolicy
 from pdserve.commands.router_admin import RouterAdmin, RouterAdminError
+from pdserve.commands.slo_policy import SloPolicy
 from pdserve.commands.supervisor import STOP_TIMEOUT_S, Deployment
 from pdserve.wire.roles import Role
 
@@ -97,7 +98,8 @@ class RoleChanger:
         self.log = log
         self.clock = clock
         now = clock()
-        self.policy = LoadPolicy(settings, now)
+        policy = SloPolicy if settings.planner == PlannerMode.SLO else LoadPolicy
+        self.policy: RolePolicy = policy(settings, now)
         self.stage = Stage.WATCHING
         self.next_at = now
         self.deadline = float("inf")

@@ -1,8 +1,9 @@
-"""The run-time planner's policy (`--planner load`): from a snapshot of the router's signals,
-whether to turn one node into another role, and which.
+"""The run-time planner's policies: from a snapshot of the router's signals, whether to turn
+one node into another role, and which. `--planner load` (`LoadPolicy`, here) reads queues and
+KV usage; `--planner slo` (`SloPolicy`, commands/slo_policy.py) reads SLO attainment.
 
-Pure: `LoadPolicy.decide(signals)` reads only the snapshot it is given (with its time) and what
-it remembers of earlier snapshots; it sends nothing and starts nothing. The launcher's role
+Pure: `decide(signals)` reads only the snapshot it is given (with its time) and what the policy
+remembers of earlier snapshots; it sends nothing and starts nothing. The launcher's role
 changer (commands/role_changer.py) reads the signals from the router (GET /admin/nodes,
 router/api/admin.py), asks, and carries a decision out.
 
@@ -12,13 +13,15 @@ Signals, over the nodes that serve (live, not draining):
   decode KV usage      the decode nodes' mean fraction of KV blocks in use
   decode waiting       the requests waiting per decode node (for KV blocks, or for prompts
                        they compute themselves)
-Rules (thresholds: commands/planner_settings.py):
+  recent choices       each choice the router finished lately: its age, TTFT and TPOT
+                       (router/recent_latencies.py)
+Rules of `--planner load` (thresholds: commands/planner_settings.py):
   prefill queue delay >= prefill_delay_high and decode KV usage <= planner_kv_usage_low
       -> a decode node becomes a prefill node                         reason prefill_queue
   (decode KV usage >= planner_kv_usage_high or decode waiting >= planner_decode_waiting_high)
   and prefill queue delay <= prefill_delay_low
       -> a prefill node becomes a decode node                 reason decode_kv / decode_queue
-Against flapping:
+Against flapping, for every policy (`RolePolicy`):
   hysteresis  each threshold is a high/low pair and the two rules ask for opposite ends, so
               no snapshot satisfies both, and a change does not undo itself unless the load
               really moved to the other side;
@@ -45,6 +48,8 @@ class ChangeReason(enum.StrEnum):
     PREFILL_QUEUE = "prefill_queue"
     DECODE_KV = "decode_kv"
     DECODE_QUEUE = "decode_queue"
+    TTFT_SLO = "ttft_slo"
+    ITL_SLO = "itl_slo"
 
 
 @dataclass(frozen=True)
@@ -93,11 +98,34 @@ class NodeSignals:
 
 
 @dataclass(frozen=True)
+class RecentChoice:
+    """A choice the router finished `age_s` ago (router/recent_latencies.py); `tpot_s` is none
+    for a single-token choice."""
+
+    age_s: float
+    ttft_s: float
+    tpot_s: float | None
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> RecentChoice:
+        """ValueError for an entry that is not the router's description of a choice."""
+        try:
+            tpot = entry["tpot_s"]
+            choice = cls(float(entry["age_s"]), float(entry["ttft_s"]),
+                         None if tpot is None else float(tpot))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"a recent choice of the router is malformed: {error!r}") from None
+        return choice
+
+
+@dataclass(frozen=True)
 class ClusterSignals:
-    """A snapshot of every node the router knows, taken at `now` (the launcher's clock)."""
+    """A snapshot of every node the router knows, and of the choices it finished lately, taken
+    at `now` (the launcher's clock)."""
 
     now: float
     nodes: tuple[NodeSignals, ...]
+    recent: tuple[RecentChoice, ...] = ()
 
     def serving(self, role: Role) -> list[NodeSignals]:
         return [node for node in self.nodes if node.role == role and node.serving]
@@ -145,20 +173,24 @@ class RoleChange:
 
 
 @dataclass(frozen=True)
-class _Wish:
+class Wish:
+    """The change a policy asks for, before sustain, dwell and the floor allow it."""
+
     from_role: Role
     to_role: Role
     reason: ChangeReason
 
 
-class LoadPolicy:
-    """`--planner load` (module docstring). `started_at`: when the planner began (the first
+class RolePolicy:
+    """What every policy shares (module docstring): sustain, dwell, the floor and the choice of
+    node. A policy says only which change it wishes for a snapshot (`_wish_of`) and how it
+    describes that snapshot (`_describe`). `started_at`: when the planner began (the first
     dwell runs from it)."""
 
     def __init__(self, settings: PlannerSettings, started_at: float) -> None:
         self.settings = settings
         self.last_change_at = started_at
-        self._wish: _Wish | None = None
+        self._wish: Wish | None = None
         self._wish_since = 0.0
 
     def changed(self, now: float) -> None:
@@ -182,18 +214,28 @@ class LoadPolicy:
             return None
         node = min(candidates, key=lambda n: (n.work, n.kv_usage, n.node_id))
         return RoleChange(
-            node.node_id, wish.from_role, wish.to_role, wish.reason, signals.describe()
+            node.node_id, wish.from_role, wish.to_role, wish.reason, self._describe(signals)
         )
 
-    def _wish_of(self, signals: ClusterSignals) -> _Wish | None:
+    def _wish_of(self, signals: ClusterSignals) -> Wish | None:
+        raise NotImplementedError
+
+    def _describe(self, signals: ClusterSignals) -> str:
+        return signals.describe()
+
+
+class LoadPolicy(RolePolicy):
+    """`--planner load` (module docstring)."""
+
+    def _wish_of(self, signals: ClusterSignals) -> Wish | None:
         s = self.settings
         delay = signals.prefill_queue_delay_s
         usage = signals.decode_kv_usage
         if delay >= s.planner_prefill_delay_high_s and usage <= s.planner_kv_usage_low:
-            return _Wish(Role.DECODE, Role.PREFILL, ChangeReason.PREFILL_QUEUE)
+            return Wish(Role.DECODE, Role.PREFILL, ChangeReason.PREFILL_QUEUE)
         if delay <= s.planner_prefill_delay_low_s:
             if usage >= s.planner_kv_usage_high:
-                return _Wish(Role.PREFILL, Role.DECODE, ChangeReason.DECODE_KV)
+                return Wish(Role.PREFILL, Role.DECODE, ChangeReason.DECODE_KV)
             if signals.decode_waiting >= s.planner_decode_waiting_high:
-                return _Wish(Role.PREFILL, Role.DECODE, ChangeReason.DECODE_QUEUE)
+                return Wish(Role.PREFILL, Role.DECODE, ChangeReason.DECODE_QUEUE)
         return None

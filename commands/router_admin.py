@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from pdserve.commands.role_planner import ClusterSignals, NodeSignals
+from pdserve.commands.role_planner import ClusterSignals, NodeSignals, RecentChoice
 
 TIMEOUT_S = 5.0
 MAX_ANSWER_BYTES = 1 << 20
@@ -67,8 +67,9 @@ class RouterAdmin:
     def signals(self, now: float) -> ClusterSignals:
         answer = self._call("GET", "/admin/nodes")
         try:
-            entries = answer["nodes"]
-            return ClusterSignals(now, tuple(NodeSignals.from_json(e) for e in entries))
+            nodes = tuple(NodeSignals.from_json(e) for e in answer["nodes"])
+            recent = tuple(RecentChoice.from_json(e) for e in answer.get("recent_choices", ()))
+            return ClusterSignals(now, nodes, recent)
         except (KeyError, TypeError, ValueError) as error:
             raise RouterAdminError(f"GET /admin/nodes: {error}") from None
 

@@ -28,26 +28,30 @@ class PlanSlo:
         return outcome.ttft <= self.ttft_s and outcome.tpot <= self.itl_s
 
 
-def parse_plan_slo(text: str) -> PlanSlo:
+def parse_plan_slo(text: str, flag: str = "--slo") -> PlanSlo:
+    """`text` as `ttft=SECONDS,itl=SECONDS`; ValueError naming `flag` and the part that is
+    wrong."""
     values: dict[str, float] = {}
     for part in text.split(","):
         name, sep, number = part.strip().partition("=")
         name = name.strip().lower()
         if not sep or name not in SLO_PARTS:
-            raise ValueError(f"--slo part {part.strip()!r} is not NAME=SECONDS; expected "
-                             "ttft=SECONDS,itl=SECONDS, e.g. --slo ttft=2,itl=0.2")
+            raise ValueError(f"{flag} part {part.strip()!r} is not NAME=SECONDS; expected "
+                             f"ttft=SECONDS,itl=SECONDS, e.g. {flag} ttft=2,itl=0.2")
         if name in values:
-            raise ValueError(f"--slo gives {name} twice")
+            raise ValueError(f"{flag} gives {name} twice")
         try:
             seconds = float(number)
         except ValueError:
-            raise ValueError(f"--slo {name} is {number.strip()!r}; expected seconds") from None
+            raise ValueError(f"{flag} {name} is {number.strip()!r}; expected seconds") from None
         if not (0 < seconds <= MAX_SLO_S and math.isfinite(seconds)):
-            raise ValueError(f"--slo {name} is {seconds:g}; expected seconds in (0, {MAX_SLO_S:g}]")
+            raise ValueError(
+                f"{flag} {name} is {seconds:g}; expected seconds in (0, {MAX_SLO_S:g}]"
+            )
         values[name] = seconds
     missing = [name for name in SLO_PARTS if name not in values]
     if missing:
-        raise ValueError(f"--slo lacks {', '.join(missing)}; expected ttft=SECONDS,itl=SECONDS")
+        raise ValueError(f"{flag} lacks {', '.join(missing)}; expected ttft=SECONDS,itl=SECONDS")
     return PlanSlo(values["ttft"], values["itl"])
 
 

@@ -346,5 +346,6 @@ class Generation:
     def _finish(self, choice: _Choice, reason: str, now: float) -> None:
         choice.finish_reason = reason
         self.metrics.choice_finished(
-            reason, choice.submitted_at, choice.first_token_at, choice.num_tokens, now
+            reason, self.arrived_at, choice.submitted_at, choice.first_token_at,
+            choice.num_tokens, now,
         )

@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from pdserve.router.cluster.scheduling_metrics import SchedulingCollector
+from pdserve.router.recent_latencies import RecentLatencies
 from pdserve.wire.messages import NodeStats
 
 _LATENCY_BUCKETS = (
@@ -199,6 +200,7 @@ class RouterMetrics:
         self.exposed = CollectorRegistry(auto_describe=False)
         self.exposed.register(ModelLabelled(self.registry, model_name))
         r = self.registry
+        self.recent = RecentLatencies()  # the SLO planner's window (GET /admin/nodes)
         self.num_requests_waiting = Gauge(
             "pdserve_num_requests_waiting", "Requests waiting on the node", ["node"], registry=r
         )
@@ -315,6 +317,7 @@ class RouterMetrics:
     def choice_finished(
         self,
         reason: str,
+        arrived_at: float,
         submitted_at: float,
         first_token_at: float | None,
         num_tokens: int,
@@ -323,6 +326,7 @@ class RouterMetrics:
         self.request_success.labels(reason).inc()
         if first_token_at is None:
             return
+        self.recent.record(arrived_at, first_token_at, num_tokens, now)
         self.request_decode_time.observe(now - first_token_at)
         self.request_inference_time.observe(now - submitted_at)
         if num_tokens > 1:

@@ -1,7 +1,9 @@
 """The router's admin routes: what the launcher's run-time planner (commands/role_planner.py)
 reads and asks, over loopback HTTP.
 
-  GET    /admin/nodes                 every known node's signals (`NodeDrains.describe`)
+  GET    /admin/nodes                 every known node's signals (`NodeDrains.describe`) and
+                                      the latencies of the choices finished lately
+                                      (router/recent_latencies.py)
   POST   /admin/nodes/{id}/drain      stop placing new requests on it (router/cluster/node_drain.py)
   POST   /admin/nodes/{id}/resume     place requests on it again
   DELETE /admin/nodes/{id}            forget an empty, drained node whose process was stopped
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,7 +61,10 @@ def authorize(request: Request) -> RouterState:
 async def list_nodes(request: Request) -> dict[str, Any]:
     state = authorize(request)
     drains = state.drains
-    return {"nodes": [drains.describe(node) for node in state.client.nodes]}
+    return {
+        "nodes": [drains.describe(node) for node in state.client.nodes],
+        "recent_choices": state.metrics.recent.describe(time.monotonic()),
+    }
 
 
 async def drain_node(request: Request, node_id: str) -> dict[str, Any]:

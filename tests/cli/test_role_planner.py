@@ -149,7 +149,6 @@ def test_a_malformed_router_entry_is_refused():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"planner": "slo"}, "--planner slo is not implemented yet"),
         ({"planner": "fancy"}, "planner is 'fancy'"),
         ({"planner_kv_usage_high": 1.5}, "planner_kv_usage_high is 1.5; expected 0 to 1"),
         ({"planner_interval_s": 0.0}, "planner_interval_s is 0.0; expected 0.1 to 60"),

@@ -144,7 +144,8 @@ def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["/models/a", "--model", "/models/b"], "MODEL '/models/a' and --model '/models/b'"),
-        (["--planner", "slo", "--decode", "2"], "--planner slo is not implemented yet"),
+        (["--planner", "slo", "--decode", "2"], "--planner slo needs its targets"),
+        (["--planner", "slo", "--planner-slo", "ttft=2"], "--planner-slo lacks itl"),
         (["--planner", "load"], "with --prefill 1 --decode 1 it could never act"),
         (["--planner", "load", "--colocated"], "a --colocated deployment has neither"),
         (

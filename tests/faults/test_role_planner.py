@@ -1,7 +1,8 @@
-"""The run-time planner under streaming load (real processes, tiny model, 1 prefill + 2 decode).
+"""The run-time planner under streaming load (real processes, tiny model, 1 prefill + 2 decode),
+with each policy.
 
-Thresholds forced so that any queued prompt is "prefill pressure" and any decode KV usage
-"low": the planner turns the least busy decode node into a prefill node while streams run on
+Thresholds forced (for `load`, any queued prompt is "prefill pressure" and any decode KV usage
+"low"; for `slo`, every request misses the TTFT target and meets the ITL one): the planner turns the least busy decode node into a prefill node while streams run on
 both decode nodes. Every request completes, the change is counted on the router and logged by
 the launcher, the deployment serves as 2 prefill + 1 decode afterwards, and no node holds a
 KV block once the load ends.
@@ -14,6 +15,7 @@ import random
 import re
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.commands.serve_process import ServeProcess
@@ -29,13 +31,26 @@ from tests.fault_checks import (
 CONCURRENCY = 8
 AFTER_CHANGE = 6  # requests that must complete after the change, on the new layout
 PLANNER = [
-    "--planner", "load", "--planner-interval", "0.2", "--planner-sustain", "0",
-    "--planner-min-dwell", "0", "--planner-drain-timeout", "120",
-    # any queued prompt is pressure, any decode KV usage is low; the reverse can never hold
-    "--planner-prefill-delay-high", "0.001", "--planner-prefill-delay-low", "0",
-    "--planner-kv-usage-low", "0.99", "--planner-kv-usage-high", "1",
-    "--planner-decode-waiting-high", "1000000",
+    "--planner-interval", "0.2", "--planner-sustain", "0", "--planner-min-dwell", "0",
+    "--planner-drain-timeout", "120",
 ]
+# Each policy, forced so that it asks for decode -> prefill as soon as it has signals, with the
+# reason and the start of the signals its log line names.
+POLICIES = {
+    "load": (
+        # any queued prompt is pressure, any decode KV usage is low; the reverse can never hold
+        ["--planner", "load", "--planner-prefill-delay-high", "0.001",
+         "--planner-prefill-delay-low", "0", "--planner-kv-usage-low", "0.99",
+         "--planner-kv-usage-high", "1", "--planner-decode-waiting-high", "1000000"],
+        "prefill_queue; prefill queue delay",
+    ),
+    "slo": (
+        # no request meets the TTFT target, every one meets the ITL target with slack to spare
+        ["--planner", "slo", "--planner-slo", "ttft=0.001,itl=3600",
+         "--planner-slo-min-requests", "4"],
+        "ttft_slo; TTFT attainment 0.00",
+    ),
+}
 
 
 def roles(url: str) -> dict[str, str]:
@@ -89,13 +104,16 @@ async def stream_until_changed(url: str, model: str) -> tuple[list[StreamResult]
     return results, seen_at
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_the_planner_turns_a_decode_node_into_a_prefill_node_under_load_losing_nothing(
-    tiny_llama_dir, tmp_path
+    policy, tiny_llama_dir, tmp_path
 ):
+    policy_flags, reason = POLICIES[policy]
     log_path = tmp_path / "serve.log"
     flags = [
         "--model", str(tiny_llama_dir), "--prefill", "1", "--decode", "2",
         "--disagg-policy", "always", "--kv-cache-memory", str(32 << 20), "--verbose", *PLANNER,
+        *policy_flags,
     ]
     server = ServeProcess(flags, log_path=log_path)
     try:
@@ -116,7 +134,7 @@ def test_the_planner_turns_a_decode_node_into_a_prefill_node_under_load_losing_n
         assert int(drained[2]) >= 1  # the node had streams in flight when its drain began
         changed = re.search(
             rf"planner: changed node {re.escape(drained[1])}: decode -> prefill \(reason "
-            r"prefill_queue; prefill queue delay .*\); now node (prefill-\d\.\d+), serving after",
+            rf"{re.escape(reason)}.*\); now node (prefill-\d\.\d+), serving after",
             said,
         )
         assert changed is not None, said[-3000:]
