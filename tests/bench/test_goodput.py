@@ -30,7 +30,7 @@ def summary(goodput: float, placements: dict | None = None) -> dict:
     return {
         "requests": 4, "completed": 4, "goodput": goodput, "slo_attainment": 1.0,
         "ttft_p50": 0.1, "ttft_p99": 0.2, "itl_p50": 0.02, "itl_p99": 0.05,
-        "throughput_tok_s": 30.0, "placements": placements or {},
+        "throughput_tok_s": 30.0, "placements": placements or {}, "goodput_runs": [goodput],
     }
 
 
