@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=24, help="per bursty load")
     parser.add_argument("--single-stream-requests", type=int, default=16)
     parser.add_argument(
-        "--single-stream-repeats", type=int, default=3,
-        help="runs of the 1-stream load per layout; the one of median goodput is reported",
+        "--repeats", type=int, default=3,
+        help="runs of each load per layout; the one of median goodput is reported",
     )
     parser.add_argument("--long-fraction", type=float, default=0.2)
     parser.add_argument("--burstiness", type=float, default=0.5, help="gamma shape")
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.quick:
         args.rates, args.requests, args.single_stream_requests = [1.0], 6, 2
-        args.single_stream_repeats = 1
+        args.repeats = 1
     return args
 
 
@@ -83,13 +83,20 @@ def workload(vocab: list[int], times: list[float], args, seed: str) -> list:
     return requests
 
 
-def loads(vocab: list[int], args) -> dict[str, tuple[list[LoadRequest], int | None]]:
-    """Load name -> (requests, max concurrency)."""
-    single = workload(vocab, [0.0] * args.single_stream_requests, args, "single")
-    out = {"1 stream": (single, 1)}
+def loads(vocab: list[int], args) -> dict[str, tuple[list[list[LoadRequest]], int | None]]:
+    """Load name -> (the requests of each repeat, max concurrency). Each repeat has prompts of
+    its own (system prompts included), so no repeat finds an earlier one's in a prefix cache;
+    the arrival times are the load's."""
+    out: dict[str, tuple[list[list[LoadRequest]], int | None]] = {}
+    single_times = [0.0] * args.single_stream_requests
+    out["1 stream"] = (
+        [workload(vocab, single_times, args, f"single-{k}") for k in range(args.repeats)], 1
+    )
     for rate in args.rates:
         times = arrival_times(args.requests, rate, "gamma", args.burstiness, args.seed)
-        out[f"{rate} requests/s"] = (workload(vocab, times, args, str(rate)), None)
+        out[f"{rate} requests/s"] = (
+            [workload(vocab, times, args, f"{rate}-{k}") for k in range(args.repeats)], None
+        )
     return out
 
 
@@ -119,11 +126,11 @@ def run_layout(flags: list[str], workloads: dict, args) -> dict:
     model_flags = ["--model", args.model] if args.model else []
     server = ServeProcess([*model_flags, *flags], quiet=True, ready_timeout_s=300)
     try:
-        run_load(server.url, [LoadRequest(0.0, workloads["1 stream"][0][0].prompt[:64], 8, "w")])
+        warm_up = [LoadRequest(0.0, list(range(100, 164)), 8, "warm-up")]
+        run_load(server.url, warm_up)
         results = {}
-        for name, (requests, concurrency) in workloads.items():
-            repeats = args.single_stream_repeats if concurrency == 1 else 1
-            runs = [run_once(server.url, requests, concurrency, args) for _ in range(repeats)]
+        for name, (repeats, concurrency) in workloads.items():
+            runs = [run_once(server.url, requests, concurrency, args) for requests in repeats]
             summary = sorted(runs, key=lambda r: r["goodput"])[len(runs) // 2]
             summary["goodput_runs"] = [r["goodput"] for r in runs]
             results[name] = summary
@@ -146,10 +153,11 @@ def report(args, machine: dict, results: dict[str, dict[str, dict]]) -> str:
             f"tokens, 48 output tokens) and {args.long_fraction:.0%} long documents "
             "(1,200-1,600 tokens, 16 output tokens); random token ids, greedy, EOS ignored; the "
             f"same requests at the same times for every layout. Loads: 1 stream "
-            f"({args.single_stream_requests} requests one after another, run "
-            f"{args.single_stream_repeats} times per layout; the run of median goodput is "
-            "shown, every run's goodput in the last column), then "
+            f"({args.single_stream_requests} requests one after another), then "
             f"{args.requests} requests per rate with gamma arrivals (shape {args.burstiness}). "
+            f"Each load runs {args.repeats} times per layout, one after another on the same "
+            "server, each time with prompts of its own (no prefix-cache hits across runs): the "
+            "run of median goodput is shown, every run's goodput in the last column. "
             f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s. Placements: prompts "
             "auto computed on the decode node (local) or on the prefill node (remote)."
         ),

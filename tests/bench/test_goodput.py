@@ -11,11 +11,18 @@ def test_the_loads_mix_chat_turns_on_shared_system_prompts_with_long_documents()
     args = parse_args(["--requests", "40", "--rates", "1.0", "--long-fraction", "0.25"])
     vocab = list(range(10, 510))
     first, second = loads(vocab, args), loads(vocab, args)
-    assert [[r.prompt for r in reqs] for reqs, _ in first.values()] == [
-        [r.prompt for r in reqs] for reqs, _ in second.values()
+    assert [[r.prompt for reqs in runs for r in reqs] for runs, _ in first.values()] == [
+        [r.prompt for reqs in runs for r in reqs] for runs, _ in second.values()
     ]
     assert first["1 stream"][1] == 1 and first["1.0 requests/s"][1] is None
-    requests = first["1.0 requests/s"][0]
+    runs = first["1.0 requests/s"][0]
+    assert len(runs) == args.repeats == 3
+    # each repeat has prompts of its own (no prefix-cache hits across repeats), same times
+    assert not {tuple(r.prompt[:SYSTEM_TOKENS]) for r in runs[0]} & {
+        tuple(r.prompt[:SYSTEM_TOKENS]) for r in runs[1]
+    }
+    assert [r.at for r in runs[0]] == [r.at for r in runs[2]]
+    requests = runs[0]
     chats = [r for r in requests if r.kind == "chat"]
     documents = [r for r in requests if r.kind == "document"]
     assert chats and documents and len(chats) + len(documents) == 40
