@@ -6,11 +6,20 @@ sandbox. The environment matches what chat templates are written against: `trim_
 takes `indent`, `raise_exception(message)` and `strftime_now(format)`. The conversation is in
 `messages` (with assistant `tool_calls` and `tool` messages as the caller gives them) and the
 callable functions in `tools`, as transformers' `apply_chat_template` passes them.
+
+`TemplateOptions` are what a chat request may add, as vLLM's requests say them:
+`add_generation_prompt` (end with the assistant's turn header), `continue_final_message` (end
+inside the last message, its text left open for the model to go on: the rendered text is cut
+right after that message's text, as transformers does), and `kwargs`, more variables for the
+template (Qwen3's `enable_thinking`). The caller checks them (router/api/template_options.py);
+a kwarg never replaces `messages`, `tools`, `add_generation_prompt` or a special token.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -57,20 +66,52 @@ def compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not parse: {error}") from None
 
 
+@dataclass(frozen=True)
+class TemplateOptions:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
 def render_chat(
     template: jinja2.Template,
     messages: list[dict],
     special_tokens: dict[str, str],
     tools: list[dict] | None = None,
+    options: TemplateOptions | None = None,
 ) -> str:
-    """The conversation as text, followed by the assistant's turn header. `tools` are the
-    functions the model may call, OpenAI's `{"type": "function", "function": {...}}` maps, in
-    the template's `tools` variable as Hugging Face passes them (None: no tools)."""
+    """The conversation as text, by default followed by the assistant's turn header. `tools`
+    are the functions the model may call, OpenAI's `{"type": "function", "function": {...}}`
+    maps, in the template's `tools` variable as Hugging Face passes them (None: no tools)."""
+    options = options or TemplateOptions()
+    variables = {
+        **options.kwargs, "messages": messages, "tools": tools,
+        "add_generation_prompt": options.add_generation_prompt, **special_tokens,
+    }
     try:
-        return template.render(
-            messages=messages, tools=tools, add_generation_prompt=True, **special_tokens
-        )
+        text = template.render(**variables)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"the chat template failed: {error}") from None
+    if options.continue_final_message:
+        return _open_final_message(text, messages[-1].get("content"))
+    return text
+
+
+def _open_final_message(text: str, content: Any) -> str:
+    """`text` cut right after the last message's own text: with its trailing spaces where the
+    template kept them, else after its last non-space character."""
+    final = content.strip() if isinstance(content, str) else ""
+    if not final:
+        raise ChatTemplateError("continue_final_message needs a last message with text")
+    start = text.rfind(final)
+    if start < 0:
+        raise ChatTemplateError(
+            "the chat template does not show the last message's text as given, so it cannot "
+            "be continued"
+        )
+    kept = content.lstrip()
+    if text.startswith(kept, start):
+        return text[: start + len(kept)]
+    return text[: start + len(final)]

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as Backend
 
-from pdserve.text.chat_template import compile_template, render_chat
+from pdserve.text.chat_template import TemplateOptions, compile_template, render_chat
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _CLEANUPS = (
@@ -125,13 +125,19 @@ class Tokenizer:
         return self.backend_tokenizer.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict], tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        options: TemplateOptions | None = None,
     ) -> list[int]:
-        """Token ids of the conversation followed by the assistant's turn header; `tools`
-        (OpenAI's function maps) go to the template's `tools` variable."""
+        """Token ids of the conversation, by default followed by the assistant's turn header
+        (`options`: text/chat_template.py); `tools` (OpenAI's function maps) go to the
+        template's `tools` variable."""
         if self._compiled_template is None:
             raise ValueError("the model has no chat template; use a plain prompt instead")
-        text = render_chat(self._compiled_template, messages, self.special_tokens, tools)
+        text = render_chat(
+            self._compiled_template, messages, self.special_tokens, tools, options
+        )
         return self.encode(text, add_special_tokens=False)
 
     def template_reads(self, variable: str) -> bool:

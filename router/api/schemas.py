@@ -112,6 +112,10 @@ class ChatCompletionRequest(_CommonParams):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # how the conversation is rendered (router/api/template_options.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -121,6 +125,8 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # vLLM's default: true for a prompt, false for chat
     return_token_strs: bool = False
 

@@ -1,13 +1,14 @@
 """`POST /tokenize` and `POST /detokenize`, with vLLM's request and response shapes.
 
   /tokenize    {"model", "prompt", "add_special_tokens"?, "return_token_strs"?} or
-               {"model", "messages", "add_generation_prompt"?, "return_token_strs"?}
+               {"model", "messages", "add_generation_prompt"?, "continue_final_message"?,
+                "chat_template_kwargs"?, "return_token_strs"?}
                -> {"count", "max_model_len", "tokens"} (and "token_strs" when asked)
   /detokenize  {"model", "tokens"} -> {"prompt"}
 
 Bounded like the completions routes: the body's size, the model (404), fields pdserve does not
-implement and unknown fields (router/api/unsupported.py; e.g. `add_generation_prompt: false`
-is refused: the chat template always ends with the assistant's turn header), the prompt's
+implement and unknown fields (router/api/unsupported.py), the template options
+(router/api/template_options.py), the prompt's
 characters against the context (400, before tokenizing), token ids within the tokenizer's
 vocabulary (400 naming `tokens`). Tokenizing and decoding run in the app's worker threads,
 never on the event loop, each holding one place in the router's admission queue meanwhile

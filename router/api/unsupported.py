@@ -104,10 +104,7 @@ NOT_IMPLEMENTED: MappingProxyType[str, NotImplementedParam] = MappingProxyType({
     "include_stop_str_in_output": NotImplementedParam("false or null", _is(False)),
     "spaces_between_special_tokens": NotImplementedParam("true or null", _is(True)),
     "truncate_prompt_tokens": _NULL,
-    "add_generation_prompt": NotImplementedParam("true or null", _is(True)),
-    "continue_final_message": NotImplementedParam("false or null", _is(False)),
     "chat_template": _NULL,
-    "chat_template_kwargs": NotImplementedParam("an empty object or null", _is({})),
     "documents": _NULL,
 })
 

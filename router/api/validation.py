@@ -26,6 +26,7 @@ from pdserve.router.api.prompts import PromptInput, check_num_choices, split_pro
 from pdserve.router.api.sampling import choice_samplings, request_sampling
 from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.api.structured import output_spec
+from pdserve.router.api.template_options import template_options
 from pdserve.router.api.tools import ToolPlan, check_tools, template_input
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, invalid
@@ -127,8 +128,9 @@ def chat_prompt(
     req: ChatCompletionRequest, tokenizer: Any, tool_plan: ToolPlan | None = None
 ) -> list[int]:
     messages, tools = template_input(req.messages, tool_plan, tokenizer)
+    options = template_options(req, tokenizer.special_tokens)
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=tools))
+        return list(tokenizer.apply_chat_template(messages, tools=tools, options=options))
     except ValueError as error:
         raise invalid(str(error), "messages") from None
     except Exception:  # noqa: BLE001 (template errors are the request's fault)

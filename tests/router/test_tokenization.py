@@ -7,6 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from pdserve.router.api.app import create_app
+from pdserve.text.chat_template import TemplateOptions
 from tests.router.test_validation import assert_error
 from tests.router.unlooped import node_stats, unlooped_router_config
 
@@ -72,6 +73,16 @@ def test_tokenize_messages_equals_the_chat_template(live, tokenizer):
     assert out["count"] == len(out["tokens"])
 
 
+def test_tokenize_messages_takes_the_template_options(live, tokenizer):
+    body = {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    out = live.post("/tokenize", json=body).json()
+    options = TemplateOptions(add_generation_prompt=False, continue_final_message=True,
+                              kwargs={"enable_thinking": False})
+    assert out["tokens"] == tokenizer.apply_chat_template(MESSAGES, options=options)
+    assert out["tokens"] != tokenizer.apply_chat_template(MESSAGES)
+
+
 def test_detokenize_round_trips_the_tokenizer(live, tokenizer):
     ids = live.post("/tokenize", json={"model": MODEL, "prompt": TEXT}).json()["tokens"]
     out = live.post("/detokenize", json={"model": MODEL, "tokens": ids}).json()
@@ -91,7 +102,9 @@ BAD_TOKENIZE = [
     ({"prompt": TEXT, "model": "other"}, 404, "model"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
-    ({"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ({"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs.tools"),
     ({"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens"),
     ({"messages": MESSAGES, "chat_template": "{{ x }}"}, 400, "chat_template"),
     ({"messages": [{"role": "function", "content": "1"}]}, 400, "messages[0].role"),

@@ -43,7 +43,6 @@ REFUSED = [
     ("best_of", 3),
     ("suffix", " the end"),
     ("use_beam_search", True),
-    ("add_generation_prompt", False),
 ]
 
 NEUTRAL = [

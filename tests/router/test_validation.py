@@ -132,6 +132,21 @@ CHAT_CASES = [
     ({"logprobs": 3}, "logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"n": 100}, "n"),
+    ({"chat_template_kwargs": 5}, "chat_template_kwargs"),
+]
+
+# Checked where the conversation is rendered, once a node can serve it.
+CHAT_TEMPLATE_CASES = [
+    ({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+    ({"chat_template_kwargs": {"eos_token": "x"}}, "chat_template_kwargs.eos_token"),
+    ({"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"deep": [[[[[[[[1]]]]]]]]}}, "chat_template_kwargs"),
+    (
+        {"messages": [{"role": "assistant", "content": " "}], "add_generation_prompt": False,
+         "continue_final_message": True},
+        "messages",
+    ),
 ]
 
 
@@ -139,6 +154,12 @@ CHAT_CASES = [
 def test_chat_bad_parameters_are_400(client, extra, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
     assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(("extra", "param"), CHAT_TEMPLATE_CASES)
+def test_chat_template_options_out_of_bounds_are_400(live, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
+    assert_error(live.post("/v1/chat/completions", json=body), 400, param)
 
 
 def test_type_errors_never_echo_input(client):
