@@ -16,6 +16,7 @@ from typing import Any
 
 from pdserve.router.cluster.node_registry import parse_node_spec
 from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
+from pdserve.text.reasoning_split import ReasoningStyle
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import option
 from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
@@ -67,6 +68,13 @@ class RouterConfig:
     chat_template: str | None = option(
         None, flag="--chat-template", metavar="FILE_OR_TEMPLATE", to_field=chat_template_source,
         help="a Jinja chat template, or a file holding one, instead of the model's",
+    )
+    # How a chat choice's thinking is told from its answer (text/reasoning_split.py).
+    reasoning_parser: str | None = option(
+        None, flag="--reasoning-parser", choices=tuple(ReasoningStyle),
+        help="return a chat answer's <think> text as `reasoning_content`, apart from "
+        "`content`: qwen3 (thinks only after an opening <think>) or deepseek_r1 (thinks from "
+        "the start); default: none, the text is all content",
     )
     host: str = option("127.0.0.1", flag="--host", launcher_sets=True, help="HTTP bind address")
     port: int = option(

@@ -1,9 +1,12 @@
 """Builds the HTTP answer of a running `Generation`: one JSON body, or an SSE stream of
 chunks ending in `data: [DONE]`, for the completions and the chat completions API. With `echo`
 a choice's first event (its first chunk, when streaming) carries its prompt's text and, with
-`logprobs`, the prompt's logprobs before the output's (router/api/echo.py). A chat with tools has
-its choices' text read for tool calls (router/api/tool_output.py): `message.tool_calls`, or
-`delta.tool_calls` entries, instead of content."""
+`logprobs`, the prompt's logprobs before the output's (router/api/echo.py). With
+`--reasoning-parser` a chat choice's thinking is told from its answer first
+(text/reasoning_split.py): `message.reasoning_content`, or `delta.reasoning_content`, and only
+the answer is content (a request with `include_reasoning: false`, vLLM's field, gets no
+reasoning). A chat with tools has the answer read for tool calls (router/api/tool_output.py):
+`message.tool_calls`, or `delta.tool_calls` entries, instead of content."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from pdserve.router.api.sse import DONE, sse
 from pdserve.router.api.tool_output import ToolCallOutput
 from pdserve.router.errors import APIError
 from pdserve.router.generation import ChoiceEvent, Generation
+from pdserve.text.reasoning_split import ReasoningStyle, ThinkingSplitter, split_whole
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,8 @@ class Responder:
         model: str,
         formatter: LogprobFormatter,
         include_usage: bool = False,
+        reasoning: ReasoningStyle | None = None,
+        include_reasoning: bool = True,
     ) -> None:
         self.chat = chat
         self.generation = generation
@@ -46,6 +52,9 @@ class Responder:
         self._prompt_logprobs: list[Any] = [None] * n  # vLLM's shape, when asked
         tools = generation.plan.tools
         self._tool_calls = ToolCallOutput(tools, n) if chat and tools is not None else None
+        self.reasoning = reasoning if chat else None
+        self.include_reasoning = include_reasoning
+        self._thinking = [ThinkingSplitter(reasoning) for _ in range(n)] if self.reasoning else []
 
     def _usage(self) -> schemas.Usage:
         generation = self.generation
@@ -122,9 +131,8 @@ class Responder:
             make_choice(i, self._text[i], self._finish[i], self._logprobs[i])
             for i in range(self.generation.plan.n)
         ]
-        if self._tool_calls is not None:
-            for choice in choices:
-                self._tool_calls.message(choice)
+        for choice in choices:
+            self._split_message(choice)
         object_name = "chat.completion" if self.chat else "text_completion"
         body = schemas.response_body(
             object_name, self.id, self.created, self.model, choices, self._usage()
@@ -136,6 +144,23 @@ class Responder:
                 for choice, prompt_logprobs in zip(choices, self._prompt_logprobs):
                     choice["prompt_logprobs"] = prompt_logprobs
         return body
+
+    def _split_message(self, choice: dict[str, Any]) -> None:
+        """A whole chat choice's text: reasoning apart, then tool calls read from the rest."""
+        message = choice.get("message")
+        if message is None:
+            return
+        reasoning = None
+        if self.reasoning is not None:
+            split = split_whole(self.reasoning, message["content"])
+            message["content"] = split.content
+            reasoning = split.reasoning if self.include_reasoning else None
+        if self._tool_calls is not None:
+            self._tool_calls.message(choice)
+        if self.reasoning is not None:
+            if message["content"] == "" and reasoning:
+                message["content"] = None
+            message["reasoning_content"] = reasoning or None
 
     # -- SSE ---------------------------------------------------------------------------------
 
@@ -159,12 +184,20 @@ class Responder:
         if not self.chat:
             return schemas.completion_choice(event.index, text, event.finish_reason, logprobs)
         finish_reason = event.finish_reason
+        text, reasoning = event.text, ""
+        if self._thinking:
+            split = self._thinking[event.index].feed(text, finished=finish_reason is not None)
+            text, reasoning = split.content, split.reasoning if self.include_reasoning else ""
+            if not (text or reasoning or finish_reason or logprobs):
+                return None  # the splitter holds what may be a tag
         if self._tool_calls is not None:
-            delta, finish_reason = self._tool_calls.delta(event.index, event.text, finish_reason)
-            if delta is None and logprobs is None:
+            delta, finish_reason = self._tool_calls.delta(event.index, text, finish_reason)
+            if delta is None and not reasoning and logprobs is None:
                 return None
         else:
-            delta = {"content": event.text} if event.text or finish_reason is None else {}
+            delta = {"content": text} if text or (finish_reason is None and not reasoning) else {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **(delta or {})}
         return schemas.chat_chunk_choice(event.index, delta or {}, finish_reason, logprobs)
 
     async def stream(

@@ -44,6 +44,7 @@ from pdserve.router.api.validation import (
 from pdserve.router.errors import APIError, error_body, validation_error
 from pdserve.router.generation import Generation
 from pdserve.router.state import RouterState
+from pdserve.text.reasoning_split import ReasoningStyle
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,11 @@ async def _generate(
     if record is not None:
         record.generation = generation  # for the request's access line
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    responder = Responder(chat, generation, config.model_name, state.formatter, include_usage)
+    reasoning = ReasoningStyle(config.reasoning_parser) if config.reasoning_parser else None
+    responder = Responder(
+        chat, generation, config.model_name, state.formatter, include_usage, reasoning,
+        include_reasoning=getattr(req, "include_reasoning", True),
+    )
     at_request_end(request.scope, generation.close)  # before start(): covers every exit
     generation.start()
     events = generation.events(request.receive, watch_until_first_event=req.stream)

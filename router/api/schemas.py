@@ -116,6 +116,7 @@ class ChatCompletionRequest(_CommonParams):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # with --reasoning-parser (router/api/responses.py)
 
 
 class TokenizeRequest(_Request):

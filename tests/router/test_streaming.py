@@ -51,6 +51,7 @@ class ScriptedNode:
         self.generates: list[Generate] = []  # one per choice, as a lone request's
         self.aborted: set[str] = set()
         self.delay = 0.005
+        self.reply_text = REPLY
 
     async def run(self) -> None:
         stats = node_stats(max_model_len=256)
@@ -66,7 +67,7 @@ class ScriptedNode:
                     asyncio.create_task(self.reply(generate))
 
     async def reply(self, message: Generate) -> None:
-        ids = self.tokenizer.encode(REPLY)[: message.sampling.max_tokens]
+        ids = self.tokenizer.encode(self.reply_text)[: message.sampling.max_tokens]
         for i, token in enumerate(ids):
             await asyncio.sleep(self.delay)
             if message.request_id in self.aborted:
@@ -89,7 +90,9 @@ class ScriptedNode:
         self.context.term()
 
 
-def run_with_node(tmp_path, tokenizer, scenario):
+def run_with_node(tmp_path, tokenizer, scenario, **settings):
+    """`scenario(http, node)` against a router (RouterConfig `settings` added) and a
+    ScriptedNode."""
     node_addr, router_addr = f"ipc://{tmp_path}/node", f"ipc://{tmp_path}/router"
     config = RouterConfig(
         model_path="unused",
@@ -97,6 +100,7 @@ def run_with_node(tmp_path, tokenizer, scenario):
         node_addresses=[node_addr],
         listen_address=router_addr,
         node_timeout_s=30.0,  # one NodeStats and no heartbeats: the timeout must hold
+        **settings,
     )
     app = create_app(config, tokenizer=tokenizer)
 
