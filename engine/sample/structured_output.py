@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.engine.sample.strict_schema import strict_schema
 from pdserve.wire.structured_output import GrammarError, spec_key
 
 if TYPE_CHECKING:
@@ -99,8 +100,8 @@ def grammar_text(spec: dict[str, Any]) -> str:
     """The llguidance grammar of a checked spec (wire/structured_output.py)."""
     ((kind, body),) = spec.items()
     Matcher = load_llguidance().LLMatcher
-    if kind == "json_schema":
-        return Matcher.grammar_from_json_schema(body, defaults=JSON_FORMAT)
+    if kind == "json_schema":  # closed to keys it does not name (engine/sample/strict_schema.py)
+        return Matcher.grammar_from_json_schema(strict_schema(body), defaults=JSON_FORMAT)
     if kind == "json_object":
         return Matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_FORMAT)
     if kind == "regex":
