@@ -76,6 +76,13 @@ class RouterConfig:
         "`content`: qwen3 (thinks only after an opening <think>) or deepseek_r1 (thinks from "
         "the start); default: none, the text is all content",
     )
+    # The names /metrics exposes (router/vllm_metric_names.py).
+    metrics_prefix: str = option(
+        "pdserve", flag="--metrics-prefix", choices=("pdserve", "vllm"),
+        help="the names of /metrics: pdserve_* (default), or vllm: vLLM's exact names "
+        "(vllm:time_to_first_token_seconds, ...) where vLLM has the metric, so a vLLM "
+        "dashboard works unchanged",
+    )
     host: str = option("127.0.0.1", flag="--host", launcher_sets=True, help="HTTP bind address")
     port: int = option(
         8000, flag="--port", launcher_sets=True, help="HTTP port; 0: one the OS picks"

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 
 from pdserve.router.cluster.scheduling_metrics import SchedulingCollector
 from pdserve.router.recent_latencies import RecentLatencies
+from pdserve.router.vllm_metric_names import as_vllm
 from pdserve.wire.messages import NodeStats
 
 _LATENCY_BUCKETS = (
@@ -165,13 +166,19 @@ class NodeTotalsCollector:
 
 class ModelLabelled:
     """The metrics of `source` with `model_name` added to every sample, without the
-    `_created` samples of counters and histograms."""
+    `_created` samples of counters and histograms; under vLLM's names where it has them with
+    `vllm_names` (router/vllm_metric_names.py)."""
 
-    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, source: CollectorRegistry, model_name: str, vllm_names: bool = False):
         self.source = source
         self.model_name = model_name
+        self.vllm_names = vllm_names
 
     def collect(self) -> Iterator[Metric]:
+        families = self._labelled()
+        return as_vllm(families) if self.vllm_names else families
+
+    def _labelled(self) -> Iterator[Metric]:
         for family in self.source.collect():
             labelled = Metric(family.name, family.documentation, family.type, family.unit)
             created = f"{family.name}_created"
@@ -195,10 +202,12 @@ class RouterMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, metrics_prefix: str = "pdserve") -> None:
         self.registry = CollectorRegistry()
         self.exposed = CollectorRegistry(auto_describe=False)
-        self.exposed.register(ModelLabelled(self.registry, model_name))
+        self.exposed.register(
+            ModelLabelled(self.registry, model_name, vllm_names=metrics_prefix == "vllm")
+        )
         r = self.registry
         self.recent = RecentLatencies()  # the SLO planner's window (GET /admin/nodes)
         self.num_requests_waiting = Gauge(

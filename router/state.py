@@ -67,7 +67,7 @@ class RouterState:
             if tokenizer is not None
             else load_tokenizer(Path(config.model_path), config.chat_template)
         )
-        self.metrics = RouterMetrics(config.model_name)
+        self.metrics = RouterMetrics(config.model_name, config.metrics_prefix)
         self.stats_log = StatsLog(config.stats_log_interval_s) if config.log_stats else None
         self.admission = AdmissionQueue(config, self.metrics.registry)
         self.client = NodeClient(
