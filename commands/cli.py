@@ -97,6 +97,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.commands.launcher import check_cluster_settings, check_node_settings, serve
     from pdserve.commands.router_plan import check_router_settings
+    from pdserve.commands.vllm_flags import NO_OPS
 
     try:
         check_serve_flags(args)
@@ -105,6 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_router_settings(args)
     except ValueError as error:
         args.parser.error(str(error))
+    for spelling in getattr(args, "vllm_no_ops", ()):
+        print(f"pdserve: {spelling} (vLLM's) accepted: {NO_OPS[spelling].why}", file=sys.stderr)
     return serve(args)
 
 
@@ -212,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
             add_help=False,
         ).add_argument("node_args", nargs=argparse.REMAINDER)
     return parser
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`pdserve serve`'s own parser."""
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subcommands.choices["serve"]
 
 
 def main(argv: list[str] | None = None) -> int:

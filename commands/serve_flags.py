@@ -20,6 +20,7 @@ import os
 
 from pdserve.commands.launcher_settings import LauncherSettings
 from pdserve.commands.planner_settings import PlannerSettings
+from pdserve.commands.vllm_flags import add_vllm_flags
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.config_flags import add_flags, given, in_flag_terms
 from pdserve.wire.log_format import LogSettings
@@ -98,6 +99,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
         help=f"secures the ZeroMQ links between router and nodes (default: ${SECRET_ENV}, "
         "else a random one for this run's own processes)",
     )
+    add_vllm_flags(serve)  # last: every vLLM spelling not given above (commands/vllm_flags.py)
 
 
 def check_serve_flags(args: argparse.Namespace) -> None:

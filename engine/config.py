@@ -126,11 +126,11 @@ class EngineConfig:
         help="longest prompt + completion (default: the model's max_position_embeddings)",
     )
     kv_cache_memory: int | None = option(
-        None, flag="--kv-cache-memory", metavar="BYTES",
+        None, flag="--kv-cache-memory", aliases=("--kv-cache-memory-bytes",), metavar="BYTES",
         help="KV cache size (default: 1 GiB on the CPU; on CUDA the rest of the share)",
     )
     num_kv_blocks: int | None = option(
-        None, flag="--num-kv-blocks", metavar="N",
+        None, flag="--num-kv-blocks", aliases=("--num-gpu-blocks-override",), metavar="N",
         help="an exact KV block count (default: from the memory budget)",
     )
     gpu_memory_utilization: float = option(

@@ -69,6 +69,8 @@ ROUTER_CASES = {
     "max_queued_tokens": (["--max-queued-tokens", "999"], 999),
     "max_queue_delay_s": (["--max-queue-delay", "2.5"], 2.5),
     "disagg_policy": (["--disagg-policy", "auto"], "auto"),
+    "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
+    "metrics_prefix": (["--metrics-prefix", "vllm"], "vllm"),
     "local_prefill_tokens": (["--local-prefill-tokens", "64"], 64),
     "local_prefill_queue_delay_s": (["--local-prefill-queue-delay", "0.5"], 0.5),
     "stream_stall_timeout_s": (["--stream-stall-timeout", "4"], 4.0),
