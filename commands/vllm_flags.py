@@ -74,8 +74,7 @@ REFUSED: dict[str, str] = {
     "--default-chat-template-kwargs": "not supported yet; send `chat_template_kwargs` with the "
     "request",
     "--enable-force-include-usage": "ask for usage with `stream_options.include_usage`",
-    "--return-tokens-as-token-ids": "logprob tokens are always their text",
-    "--max-logprobs": "the bound is fixed at 20 (top_logprobs, logprobs, prompt_logprobs)",
+    "--return-tokens-as-token-ids": "send `return_tokens_as_token_ids: true` with the request",
     "--kv-transfer-config": "pdserve moves KV itself: --prefill/--decode and --kv-transport",
     "--structured-outputs-config": "structured output always uses llguidance",
     "--reasoning-parser-plugin": "only the built-in parsers (--reasoning-parser)",

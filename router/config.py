@@ -19,7 +19,7 @@ from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSett
 from pdserve.text.reasoning_split import ReasoningStyle
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import option
-from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT
+from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT, MAX_LOGPROBS
 
 # `pdserve serve` hands the router its settings as JSON here: {"router": {RouterConfig field:
 # value}, "log": {LogSettings field: value}}; flags given override them (router/__main__.py).
@@ -105,6 +105,12 @@ class RouterConfig:
     # Completions with a list of prompts: prompts x n per request (router/api/prompts.py).
     max_choices: int = 64
     max_stop: int = 4
+    # The most alternatives a request may ask for per token (logprobs, top_logprobs,
+    # prompt_logprobs), as vLLM's --max-logprobs; at most the wire's MAX_LOGPROBS.
+    max_logprobs: int = option(
+        MAX_LOGPROBS, flag="--max-logprobs", metavar="N",
+        help=f"the most log-probabilities per token a request may ask for (0 to {MAX_LOGPROBS})",
+    )
     # Admission: sub-requests (n per request) accepted and not yet started (no token back),
     # and their prompt tokens; past either bound the router answers 429 (router/cluster/admission.py).
     max_queued_requests: int = option(
@@ -209,6 +215,21 @@ class RouterConfig:
         if not 0 < self.max_queue_delay_s <= 3600:
             raise ValueError(
                 f"max_queue_delay_s is {self.max_queue_delay_s}; expected (0, 3600] s"
+            )
+        if isinstance(self.max_logprobs, bool) or not (
+            isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"max_logprobs is {self.max_logprobs!r}; expected 0 to {MAX_LOGPROBS}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in tuple(
+            ReasoningStyle
+        ):
+            raise ValueError(
+                f"reasoning_parser is {self.reasoning_parser!r}; expected one of "
+                f"{', '.join(ReasoningStyle)}"
+            )
+        if self.metrics_prefix not in ("pdserve", "vllm"):
+            raise ValueError(
+                f"metrics_prefix is {self.metrics_prefix!r}; expected pdserve or vllm"
             )
         if self.disagg_policy not in tuple(DisaggPolicy):
             raise ValueError(

@@ -9,7 +9,11 @@ token's entries null, each other one's `top_logprobs` cut to the request's `logp
 vLLM's `prompt_logprobs` shape (`prompt_logprobs`: None for the first token, then per token
 {str(token_id): {"logprob", "rank", "decoded_token"}}, the prompt's token first, then the
 alternatives, each once). Log-probabilities below -9999 (as -inf) are sent as -9999.0, as vLLM
-does, since JSON has no infinity."""
+does, since JSON has no infinity.
+
+With vLLM's `return_tokens_as_token_ids` a request gets its tokens named `token_id:N` instead
+of their text (`as_token_ids()`), wherever a token is named: so a client can tell tokens whose
+text is not valid UTF-8 on its own apart."""
 
 from __future__ import annotations
 
@@ -22,10 +26,17 @@ LOWEST_LOGPROB = -9999.0
 
 
 class LogprobFormatter:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, token_ids: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._token_ids = token_ids
+
+    def as_token_ids(self) -> LogprobFormatter:
+        """This formatter, naming tokens `token_id:N` (return_tokens_as_token_ids)."""
+        return LogprobFormatter(self._tokenizer, token_ids=True)
 
     def token(self, token_id: int) -> str:
+        if self._token_ids:
+            return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(self, entries: list[list[Any]], offset: int) -> dict[str, Any]:

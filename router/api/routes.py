@@ -159,8 +159,9 @@ async def _generate(
         record.generation = generation  # for the request's access line
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     reasoning = ReasoningStyle(config.reasoning_parser) if config.reasoning_parser else None
+    formatter = state.formatter.as_token_ids() if req.return_tokens_as_token_ids else state.formatter
     responder = Responder(
-        chat, generation, config.model_name, state.formatter, include_usage, reasoning,
+        chat, generation, config.model_name, formatter, include_usage, reasoning,
         include_reasoning=getattr(req, "include_reasoning", True),
     )
     at_request_end(request.scope, generation.close)  # before start(): covers every exit

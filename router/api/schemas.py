@@ -57,6 +57,7 @@ class _CommonParams(_Request):
     # the prompt's scores (router/api/echo.py); `echo` is refused on chat
     echo: bool = False
     prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens named token_id:N
     # structured output, read by router/api/structured.py
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

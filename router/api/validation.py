@@ -94,6 +94,14 @@ def check_common(req: CompletionRequest | ChatCompletionRequest, config: RouterC
     """Checks what both APIs share beyond the sampling settings; returns the stop strings."""
     if not 1 <= req.n <= config.max_n:
         raise invalid(f"'n' must be between 1 and {config.max_n}.", "n")
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(req, name, None)  # chat's `logprobs` is a switch, not a count
+        if isinstance(value, int) and not isinstance(value, bool) and value > config.max_logprobs:
+            raise invalid(
+                f"'{name}' must be at most {config.max_logprobs} on this server "
+                "(its --max-logprobs).",
+                name,
+            )
     if req.priority != 0 and not config.allow_client_priority:
         raise invalid(
             "'priority' is not allowed on this server: its operator lets clients set it with "

@@ -71,6 +71,7 @@ ROUTER_CASES = {
     "disagg_policy": (["--disagg-policy", "auto"], "auto"),
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
     "metrics_prefix": (["--metrics-prefix", "vllm"], "vllm"),
+    "max_logprobs": (["--max-logprobs", "5"], 5),
     "local_prefill_tokens": (["--local-prefill-tokens", "64"], 64),
     "local_prefill_queue_delay_s": (["--local-prefill-queue-delay", "0.5"], 0.5),
     "stream_stall_timeout_s": (["--stream-stall-timeout", "4"], 4.0),

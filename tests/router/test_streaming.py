@@ -171,6 +171,27 @@ def test_completion_length_with_logprobs(tmp_path, tokenizer):
     }
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(tmp_path, tokenizer):
+    async def scenario(http, node):
+        completion = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1,
+                      "return_tokens_as_token_ids": True}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3, "logprobs": True, "top_logprobs": 1,
+                "return_tokens_as_token_ids": True}
+        return [(await http.post(path, json=body)).json()
+                for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat))]
+
+    completion, chat = run_with_node(tmp_path, tokenizer, scenario)
+    ids = tokenizer.encode(REPLY)[:3]
+    logprobs = completion["choices"][0]["logprobs"]
+    assert completion["choices"][0]["text"] == "hel"  # the text is still text
+    assert logprobs["tokens"] == [f"token_id:{i}" for i in ids]
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[f"token_id:{i}"] for i in ids]
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{i}" for i in ids]
+    assert content[0]["top_logprobs"][0]["token"] == f"token_id:{ids[0]}"
+
+
 def test_chat_stream_framing_and_usage(tmp_path, tokenizer):
     async def scenario(http, node):
         body = {

@@ -336,3 +336,21 @@ def test_priority_is_the_operators_to_give(tiny_llama_dir, app, live):
     request = CompletionRequest.model_validate({**body, "priority": -5})
     plan = plan_completion(request, allowed, app.state.router.tokenizer, lambda: (64, 512))
     assert plan.priority == -5
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 3}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ],
+)
+def test_max_logprobs_bounds_every_logprob_count(tiny_llama_dir, path, extra, param):
+    config = unlooped_router_config(tiny_llama_dir, MODEL, node_timeout_s=30.0, max_logprobs=2)
+    client = TestClient(create_app(config))
+    error = assert_error(client.post(path, json={"model": MODEL, **extra}), 400, param)
+    assert "at most 2" in error["message"] and "--max-logprobs" in error["message"]
+    within = {**extra, param: 2} if param != "top_logprobs" else {**extra, "top_logprobs": 2}
+    assert client.post(path, json={"model": MODEL, **within}).status_code != 400
