@@ -57,12 +57,12 @@ def cmd_download(args: argparse.Namespace) -> int:
 
         print(ensure_default_model())
         return 0
-    from pdserve.model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
+    from pdserve.model_store.hub import HubModelUnavailable, hub_model_folder, is_hub_id
 
     if not is_hub_id(args.model):
         raise ValueError(f"{args.model!r} is not a Hugging Face Hub id (org/name)")
     try:
-        print(download_hub_model(args.model, args.revision, args.download_dir))
+        print(hub_model_folder(args.model, args.revision, args.download_dir))
     except HubModelUnavailable as error:
         raise ValueError(str(error)) from None
     return 0

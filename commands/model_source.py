@@ -36,11 +36,11 @@ def resolve_served_model(
 
         folder, default_name = ensure_default_model(), DEFAULT_MODEL_NAME
     else:
-        from pdserve.model_store.hub import HubModelUnavailable, download_hub_model, is_hub_id
+        from pdserve.model_store.hub import HubModelUnavailable, hub_model_folder, is_hub_id
 
         if is_hub_id(model):
             try:
-                folder = download_hub_model(model, revision, download_dir)
+                folder = hub_model_folder(model, revision, download_dir)
             except HubModelUnavailable as error:
                 raise ValueError(str(error)) from None
             default_name = model

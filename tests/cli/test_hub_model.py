@@ -110,3 +110,26 @@ def test_a_model_folder_is_checked_once_with_one_line(tmp_path, tiny_llama_dir, 
         check_model_folder(folder)
     if breakage == "no_weights":
         check_model_folder(folder, load_format="dummy")
+
+
+@pytest.mark.default_model
+def test_the_default_models_hub_id_without_the_hub_is_pdserves_own_copy(
+    tmp_path, default_model_dir, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.commands.cli", "download",
+         "HuggingFaceTB/SmolLM2-135M-Instruct"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env=offline_env(tmp_path / "hub"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(default_model_dir)
+    assert "serving pdserve's own copy of HuggingFaceTB/SmolLM2-135M-Instruct" in result.stderr
+    served = resolve_served_model("HuggingFaceTB/SmolLM2-135M-Instruct", None, None,
+                                  str(tmp_path / "hub"))
+    assert served.folder == default_model_dir
+    assert served.names == ("HuggingFaceTB/SmolLM2-135M-Instruct",)
+    with pytest.raises(ValueError, match="revision"):  # another revision is not the same copy
+        resolve_served_model("HuggingFaceTB/SmolLM2-135M-Instruct", None, "v0.1",
+                             str(tmp_path / "hub"))
