@@ -51,7 +51,6 @@ import json
 import os
 import secrets
 import signal
-import sys
 import tempfile
 import time
 import urllib.error
@@ -64,6 +63,7 @@ from typing import Any
 from pdserve.commands.child_logs import ChildLogs
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
 from pdserve.commands.node_threads import plan_node_threads, usable_cores
+from pdserve.commands.operator_lines import OperatorLines
 from pdserve.commands.planner_settings import PlannerMode, PlannerSettings
 from pdserve.commands.role_changer import RoleChanger
 from pdserve.commands.router_admin import RouterAdmin, admin_url
@@ -322,11 +322,12 @@ def serve(args: argparse.Namespace) -> int:
         cluster_secret,
     )
     drain_timeout = router.config.drain_timeout_s
+    lines = OperatorLines(args.log_format or "text")
     logs = None
     if not args.verbose:
         logs = ChildLogs(Path(tempfile.mkdtemp(prefix=f"pdserve-{args.port}-logs-")))
-        print(f"pdserve: process logs in {logs.folder} (--verbose: here)", flush=True)
-    deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs)
+        lines.say(f"pdserve: process logs in {logs.folder} (--verbose: here)")
+    deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs, log=lines.warn)
     ready = False
     stopping: list[int] = []
 
@@ -342,7 +343,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
         except RuntimeError as error:
-            print(_failed_start(deployment, error), file=sys.stderr, flush=True)
+            lines.warn(_failed_start(deployment, error))
             return 1
         if logs is not None:
             logs.skip_written()
@@ -355,24 +356,20 @@ def serve(args: argparse.Namespace) -> int:
             )
             role_changer = RoleChanger(
                 planner, admin, deployment, nodes, secret_env,
-                lambda: f"tcp://127.0.0.1:{free_port()}", deployment.log,
+                lambda: f"tcp://127.0.0.1:{free_port()}", lines.note,
             )
         layout = Role.COLOCATED.value if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
-        print(
-            f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout})",
-            flush=True,
-        )
+        lines.say(f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout})")
         secret = "the same --cluster-secret" if args.cluster_secret else (
             "a --cluster-secret this deployment shares (it made its own: give one to share)"
         )
-        print(f"nodes started elsewhere join with --router {router_address} and {secret}",
-              flush=True)
+        lines.say(f"nodes started elsewhere join with --router {router_address} and {secret}")
         while not stopping:
             problem = deployment.watch()
             if logs is not None:
                 logs.echo_new()
             if problem is not None:
-                print(f"pdserve: {problem}; stopping", file=sys.stderr)
+                lines.warn(f"pdserve: {problem}; stopping")
                 return 1
             if role_changer is not None:
                 role_changer.step()
@@ -381,7 +378,7 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         drain = stopping[:1] == [signal.SIGTERM]
         if drain:
-            print(f"pdserve: draining (at most {drain_timeout:g} s)", file=sys.stderr)
+            lines.note(f"pdserve: draining (at most {drain_timeout:g} s)")
         deployment.stop(drain_timeout if drain else None, lambda: len(stopping) > 1)
         if logs is not None and ready:
             logs.echo_new()
