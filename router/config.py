@@ -147,7 +147,7 @@ class RouterConfig:
         False, flag="--allow-credentials", switch=True,
         help="CORS: browsers may send credentials (cookies, authorization) cross-origin",
     )
-    # Behind a proxy that strips a path prefix: the prefix (uvicorn's and FastAPI's root_path).
+    # Behind a proxy that strips a path prefix: the prefix (uvicorn's root_path, as vLLM's).
     root_path: str = option(
         "", flag="--root-path", metavar="PREFIX",
         help="the path prefix a proxy in front strips, e.g. /llm (default: none)",

@@ -51,8 +51,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             state.tokenizer_threads.shutdown()
 
     app = FastAPI(
-        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-        root_path=config.root_path,
+        title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.router = state
     install_error_handlers(app, on_error=state.metrics.error)

@@ -1,7 +1,7 @@
 """API-key check as a pure ASGI middleware (no BaseHTTPMiddleware, which would get in the way
 of streaming and disconnect detection). Keys are compared in constant time.
 
-Which routes need the key (`key_required`): as vLLM, the OpenAI routes under /v1/ only, so
+Which routes need the key (`key_required`): as vLLM, the paths starting with /v1 only, so
 /health, /ping, /version, /metrics, /tokenize and /detokenize stay open (Prometheus and load
 balancers scrape and probe without credentials). With `--api-key-guards-every-route` every
 route needs it but the liveness probes /health and /ping. The admin routes under /admin/ need
@@ -21,7 +21,7 @@ from pdserve.router.api.error_handling import error_response
 from pdserve.router.api.route_path import route_path
 from pdserve.router.errors import APIError
 
-OPENAI_PREFIX = "/v1/"
+OPENAI_PREFIX = "/v1"  # as vLLM's check: any path that starts with it
 PROBE_PATHS = frozenset({"/health", "/ping"})
 ADMIN_PREFIX = "/admin/"  # checked by router/api/admin.py
 
@@ -38,7 +38,7 @@ def key_required(method: str, path: str, every_route: bool) -> bool:
         return False
     if every_route:
         return path not in PROBE_PATHS
-    return path == OPENAI_PREFIX.rstrip("/") or path.startswith(OPENAI_PREFIX)
+    return path.startswith(OPENAI_PREFIX)
 
 
 class APIKeyMiddleware:

@@ -57,6 +57,8 @@ def test_guarding_every_route_leaves_only_the_probes_open(tiny_llama_dir, tokeni
 def test_the_rule_reads_the_path_less_the_root_path_and_never_guards_options():
     assert key_required("POST", "/v1/completions", every_route=False)
     assert key_required("GET", "/v1", every_route=False)
-    assert not key_required("GET", "/v1x", every_route=False)
+    assert key_required("GET", "/v1x", every_route=False)  # vLLM's test: the path's start
+    assert not key_required("GET", "/metrics", every_route=False)
+    assert key_required("GET", "/metrics", every_route=True)
     assert not key_required("OPTIONS", "/v1/completions", every_route=True)
     assert not key_required("GET", "/admin/nodes", every_route=True)  # the admin token's
