@@ -66,9 +66,10 @@ def _check_string_list(name: str, value: object) -> None:
     if not well_formed or len(value) > MAX_CORS_ENTRIES or any(  # type: ignore[arg-type]
         not 0 < len(item) <= MAX_CORS_ENTRY_CHARS for item in value  # type: ignore[union-attr]
     ):
+        flag = "--" + name.replace("_", "-")
         raise ValueError(
-            f"{name} is {value!r}; expected a list of at most {MAX_CORS_ENTRIES} strings of 1 "
-            f"to {MAX_CORS_ENTRY_CHARS} characters"
+            f"{name} ({flag}) is {value!r}; expected a list of at most {MAX_CORS_ENTRIES} "
+            f"strings of 1 to {MAX_CORS_ENTRY_CHARS} characters"
         )
 
 
@@ -117,7 +118,7 @@ class RouterConfig:
     )
     api_key: str | None = option(
         None, flag="--api-key", env=API_KEY_ENV, metavar="KEY",
-        help="the /v1/ routes then need `Authorization: Bearer KEY`, as vLLM's (the others "
+        help="the /v1 routes then need `Authorization: Bearer KEY`, as vLLM's (the others "
         "too with --api-key-guards-every-route)",
     )
     # Which routes the key guards (router/api/auth.py): vLLM's /v1/ ones, or every one but the
@@ -125,7 +126,7 @@ class RouterConfig:
     api_key_guards_every_route: bool = option(
         False, flag="--api-key-guards-every-route", switch=True,
         help="with --api-key, every route needs the key (/metrics, /tokenize, /detokenize, "
-        "/version too), not only /v1/; /health and /ping stay open for probes",
+        "/version too), not only /v1; /health and /ping stay open for probes",
     )
     # CORS, as vLLM's (Starlette's CORSMiddleware, router/api/app.py): on, every origin.
     allowed_origins: list[str] = option(  # noqa: RUF009 (a dataclasses.field)
