@@ -8,7 +8,8 @@
   pdserve plan --workload F   the layout, chunk size and thresholds with the best goodput
   pdserve bench serve         load-test an OpenAI-compatible server (python -m pdserve.bench.serve)
   pdserve colocated|prefill|decode [flags]
-                              one node that joins a router elsewhere (python -m pdserve.node)
+                              one node that joins a router elsewhere (pdserve ROLE --help)
+  pdserve --version           pdserve's version
 
 Node code is imported inside each subcommand, so `pdserve --help` stays fast.
 """
@@ -21,6 +22,7 @@ import sys
 
 from pdserve.commands.serve_flags import add_engine_flags, add_serve_flags, check_serve_flags
 from pdserve.commands.workload_plan import add_profile_parser, add_workload_flags
+from pdserve.wire.package_version import package_version
 from pdserve.wire.roles import Role
 
 NODE_ROLES = tuple(Role)
@@ -161,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.wire.config_flags import add_flags
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--version", action="version", version=f"pdserve {package_version()}",
+        help="print pdserve's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     download = sub.add_parser("download", help="fetch the default model or a Hub id")
     download.add_argument(
@@ -210,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     for role in NODE_ROLES:
         sub.add_parser(
             role,
-            help=f"one {role} node that joins a router elsewhere (python -m pdserve.node {role} "
-            "flags)",
+            help=f"one {role} node that joins a router elsewhere (its flags: pdserve {role} "
+            "--help)",
             add_help=False,
         ).add_argument("node_args", nargs=argparse.REMAINDER)
     return parser

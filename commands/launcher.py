@@ -51,6 +51,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -68,6 +69,7 @@ from pdserve.commands.planner_settings import PlannerMode, PlannerSettings
 from pdserve.commands.role_changer import RoleChanger
 from pdserve.commands.router_admin import RouterAdmin, admin_url
 from pdserve.commands.router_plan import plan_router
+from pdserve.commands.router_tls import router_scheme, router_tls_context
 from pdserve.commands.supervisor import Deployment
 from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
@@ -135,14 +137,22 @@ def check_cluster_settings(args: argparse.Namespace) -> None:
         )
 
 
-def wait_healthy(url: str, exited: Callable[[], bool], timeout_s: float) -> None:
-    """Returns once `url`/health answers 200; RuntimeError if `exited()` or on timeout."""
+def wait_healthy(
+    url: str,
+    exited: Callable[[], bool],
+    timeout_s: float,
+    tls_context: ssl.SSLContext | None = None,
+) -> None:
+    """Returns once `url`/health answers 200 (over `tls_context` for https); RuntimeError if
+    `exited()` or on timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if exited():
             raise RuntimeError("a pdserve process exited during start-up")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            with urllib.request.urlopen(
+                f"{url}/health", timeout=2, context=tls_context
+            ) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):
@@ -339,9 +349,12 @@ def serve(args: argparse.Namespace) -> int:
         for node in nodes:
             deployment.start(node.name, node.argv, {**node.env, **secret_env})
         deployment.start("router", router.argv, router.env, is_node=False)
-        url = f"http://{args.host}:{args.port}"
+        url = f"{router_scheme(router.config)}://{args.host}:{args.port}"
+        tls_context = router_tls_context(router.config)
         try:
-            wait_healthy(url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S)
+            wait_healthy(
+                url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S, tls_context
+            )
         except RuntimeError as error:
             lines.warn(_failed_start(deployment, error))
             return 1
@@ -352,7 +365,8 @@ def serve(args: argparse.Namespace) -> int:
         role_changer = None
         if planner.enabled:
             admin = RouterAdmin(
-                admin_url(args.host, args.port), router.config.cluster_auth.admin_token()
+                admin_url(args.host, args.port, router_scheme(router.config)),
+                router.config.cluster_auth.admin_token(), tls_context=tls_context,
             )
             role_changer = RoleChanger(
                 planner, admin, deployment, nodes, secret_env,

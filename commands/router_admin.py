@@ -10,6 +10,7 @@ restarting, or answering an error), which the caller treats as "try again later"
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,14 +26,14 @@ class RouterAdminError(RuntimeError):
     pass
 
 
-def admin_url(host: str, port: int) -> str:
+def admin_url(host: str, port: int, scheme: str = "http") -> str:
     """The router's HTTP address as the launcher reaches it on this host; ValueError when the
     router listens on an address that is neither a wildcard nor a loopback one (the admin
     routes answer loopback clients only)."""
     if host in ("0.0.0.0", "127.0.0.1", "localhost") or host.startswith("127."):
-        return f"http://127.0.0.1:{port}"
+        return f"{scheme}://127.0.0.1:{port}"
     if host in ("::", "::1"):
-        return f"http://[::1]:{port}"
+        return f"{scheme}://[::1]:{port}"
     raise ValueError(
         f"--planner needs the router on a loopback or wildcard --host (it calls the router's "
         f"admin routes from this host's loopback address); --host is {host}"
@@ -40,10 +41,17 @@ def admin_url(host: str, port: int) -> str:
 
 
 class RouterAdmin:
-    def __init__(self, url: str, token: str, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        timeout_s: float = TIMEOUT_S,
+        tls_context: ssl.SSLContext | None = None,  # an https router (commands/router_tls.py)
+    ) -> None:
         self.url = url
         self.token = token
         self.timeout_s = timeout_s
+        self.tls_context = tls_context
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
@@ -52,7 +60,9 @@ class RouterAdmin:
             headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(
+                request, timeout=self.timeout_s, context=self.tls_context
+            ) as response:
                 return json.loads(response.read(MAX_ANSWER_BYTES))
         except urllib.error.HTTPError as error:
             detail = error.read(2000).decode(errors="replace")

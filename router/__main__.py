@@ -2,7 +2,9 @@
 
 Runs the app on uvicorn with uvloop and prints one line, "pdserve router listening on
 http://HOST:PORT", once the socket accepts connections (with `--port 0` it shows the port the
-OS picked). SIGTERM drains (router/api/drain.py); SIGINT shuts down without draining.
+OS picked; with `--ssl-keyfile` and `--ssl-certfile`, https: uvicorn wraps the socket bound
+here in TLS as it starts serving on it). SIGTERM drains (router/api/drain.py); SIGINT shuts
+down without draining.
 
 Every flag is generated from RouterConfig's and LogSettings' fields (wire/config_flags.py).
 `pdserve serve` starts the router with no flags: it hands the settings as data, JSON in
@@ -76,6 +78,9 @@ def uvicorn_config(
             early_refusal=EarlyRefusal(app.state.router),
         ),
         timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # seconds
+        root_path=config.root_path,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
     )
 
 
@@ -150,7 +155,8 @@ async def serve(config: RouterConfig, log: LogSettings) -> None:
     # what requests allocated (a 1,000-request burst spent 0.24 s of 1.4 s CPU in collections).
     gc.collect()
     gc.freeze()
-    print(f"pdserve router listening on http://{config.host}:{port}", flush=True)
+    scheme = "https" if config.tls else "http"
+    print(f"pdserve router listening on {scheme}://{config.host}:{port}", flush=True)
     await task
 
 

@@ -8,14 +8,18 @@ itself (`launcher_sets`); fields without one are set by code.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
+import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.router.cluster.node_registry import parse_node_spec
 from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
+from pdserve.router.cluster.stats_log import STATS_LOG_INTERVAL_S
 from pdserve.text.reasoning_split import ReasoningStyle
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import option
@@ -25,6 +29,10 @@ from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT, MAX_LOGPROBS
 # value}, "log": {LogSettings field: value}}; flags given override them (router/__main__.py).
 CONFIG_ENV = "PDSERVE_ROUTER_CONFIG"
 API_KEY_ENV = "PDSERVE_API_KEY"
+# The CORS lists (`--allowed-origins` ...): at most this many entries of this many characters.
+MAX_CORS_ENTRIES = 64
+MAX_CORS_ENTRY_CHARS = 512
+MAX_ROOT_PATH_CHARS = 256
 
 
 def served_names(names: list[str]) -> dict[str, Any]:
@@ -37,6 +45,33 @@ def chat_template_source(value: str) -> str:
     from pdserve.text.tokenizer import read_chat_template  # jinja2 and tokenizers, when given only
 
     return read_chat_template(value)
+
+
+def json_string_list(flag: str) -> Callable[[str], list[str]]:
+    """A flag's value as vLLM takes it, a JSON list of strings (`'["https://a.example"]'`)."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ValueError(f"{flag} is {text!r}; expected a JSON list of strings, e.g. '[\"*\"]'")
+        return value
+
+    return parse
+
+
+def _check_string_list(name: str, value: object) -> None:
+    well_formed = isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if not well_formed or len(value) > MAX_CORS_ENTRIES or any(  # type: ignore[arg-type]
+        not 0 < len(item) <= MAX_CORS_ENTRY_CHARS for item in value  # type: ignore[union-attr]
+    ):
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(
+            f"{name} ({flag}) is {value!r}; expected a list of at most {MAX_CORS_ENTRIES} "
+            f"strings of 1 to {MAX_CORS_ENTRY_CHARS} characters"
+        )
 
 
 @dataclass
@@ -98,7 +133,49 @@ class RouterConfig:
     )
     api_key: str | None = option(
         None, flag="--api-key", env=API_KEY_ENV, metavar="KEY",
-        help="every route but /health then needs `Authorization: Bearer KEY`",
+        help="the /v1 routes then need `Authorization: Bearer KEY`, as vLLM's (the others "
+        "too with --api-key-guards-every-route)",
+    )
+    # Which routes the key guards (router/api/auth.py): vLLM's /v1/ ones, or every one but the
+    # liveness probes.
+    api_key_guards_every_route: bool = option(
+        False, flag="--api-key-guards-every-route", switch=True,
+        help="with --api-key, every route needs the key (/metrics, /tokenize, /detokenize, "
+        "/version too), not only /v1; /health and /ping stay open for probes",
+    )
+    # CORS, as vLLM's (Starlette's CORSMiddleware, router/api/app.py): on, every origin.
+    allowed_origins: list[str] = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--allowed-origins", default_factory=lambda: ["*"], metavar="JSON_LIST",
+        to_field=json_string_list("--allowed-origins"),
+        help='CORS: the origins browsers may call from, a JSON list (default: \'["*"]\', any)',
+    )
+    allowed_methods: list[str] = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--allowed-methods", default_factory=lambda: ["*"], metavar="JSON_LIST",
+        to_field=json_string_list("--allowed-methods"),
+        help='CORS: the methods allowed, a JSON list (default: \'["*"]\')',
+    )
+    allowed_headers: list[str] = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--allowed-headers", default_factory=lambda: ["*"], metavar="JSON_LIST",
+        to_field=json_string_list("--allowed-headers"),
+        help='CORS: the request headers allowed, a JSON list (default: \'["*"]\')',
+    )
+    allow_credentials: bool = option(
+        False, flag="--allow-credentials", switch=True,
+        help="CORS: browsers may send credentials (cookies, authorization) cross-origin",
+    )
+    # Behind a proxy that strips a path prefix: the prefix (uvicorn's root_path, as vLLM's).
+    root_path: str = option(
+        "", flag="--root-path", metavar="PREFIX",
+        help="the path prefix a proxy in front strips, e.g. /llm (default: none)",
+    )
+    # TLS on the router's HTTP socket (router/__main__.py): both files, or neither.
+    ssl_keyfile: str | None = option(
+        None, flag="--ssl-keyfile", metavar="FILE",
+        help="the TLS private key (PEM): the router then serves HTTPS; needs --ssl-certfile",
+    )
+    ssl_certfile: str | None = option(
+        None, flag="--ssl-certfile", metavar="FILE",
+        help="the TLS certificate chain (PEM); needs --ssl-keyfile",
     )
     max_body_bytes: int = 1 << 20
     max_n: int = option(8, flag="--max-n", metavar="N", help="largest `n` a request may ask for")
@@ -191,14 +268,15 @@ class RouterConfig:
     # Logs: one INFO line per request (router/api/access_log.py), and every
     # `stats_log_interval_s` one per node that had traffic (router/cluster/stats_log.py).
     log_requests: bool = option(
-        True, flag="--disable-log-requests", switch=True, to_field=operator.not_,
-        help="no access line per request (vLLM's spelling)",
+        True, flag="--enable-log-requests", off_flag="--disable-log-requests",
+        help="one access line per request (vLLM's newer spelling)",
+        off_help="no access line per request (vLLM's older spelling)",
     )
     log_stats: bool = option(
         True, flag="--disable-log-stats", switch=True, to_field=operator.not_,
         help="no periodic stats line per node (vLLM's spelling)",
     )
-    stats_log_interval_s: float = 5.0
+    stats_log_interval_s: float = STATS_LOG_INTERVAL_S
 
     def __post_init__(self) -> None:
         self.served_model_aliases = tuple(self.served_model_aliases)  # a list, from JSON
@@ -251,6 +329,10 @@ class RouterConfig:
             raise ValueError(
                 f"stats_log_interval_s is {self.stats_log_interval_s}; expected (0, 3600] s"
             )
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            _check_string_list(name, getattr(self, name))
+        self._check_root_path()
+        self._check_tls_files()
         if not (0 < self.node_timeout_s and math.isfinite(self.node_timeout_s)):
             raise ValueError(f"node_timeout_s is {self.node_timeout_s}; expected a positive time")
         if not (0 <= self.drain_timeout_s and math.isfinite(self.drain_timeout_s)):
@@ -259,6 +341,41 @@ class RouterConfig:
             raise ValueError(
                 f"stream_stall_timeout_s is {self.stream_stall_timeout_s}; expected (0, 3600] s"
             )
+
+    def _check_root_path(self) -> None:
+        path = self.root_path
+        if not isinstance(path, str) or len(path) > MAX_ROOT_PATH_CHARS or (
+            path and (not path.startswith("/") or path.endswith("/") or "?" in path)
+        ):
+            raise ValueError(
+                f"root_path is {path!r}; expected empty or a path such as /llm (a leading "
+                f"slash, no trailing one, at most {MAX_ROOT_PATH_CHARS} characters)"
+            )
+
+    def _check_tls_files(self) -> None:
+        files = {"ssl_keyfile": self.ssl_keyfile, "ssl_certfile": self.ssl_certfile}
+        given_names = [name for name, value in files.items() if value]
+        if len(given_names) == 1:
+            missing = "--ssl-certfile" if given_names == ["ssl_keyfile"] else "--ssl-keyfile"
+            raise ValueError(f"{given_names[0]} is given without {missing}; TLS needs both")
+        for name in given_names:
+            if not Path(files[name]).is_file():  # type: ignore[arg-type]
+                raise ValueError(f"{name} is {files[name]!r}, which is not a file")
+        if given_names:
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                    self.ssl_certfile, self.ssl_keyfile  # type: ignore[arg-type]
+                )
+            except (ssl.SSLError, OSError) as error:
+                raise ValueError(
+                    f"ssl_certfile {self.ssl_certfile!r} and ssl_keyfile {self.ssl_keyfile!r} "
+                    f"do not load as a certificate chain and its key: {error}"
+                ) from None
+
+    @property
+    def tls(self) -> bool:
+        """Whether the router serves HTTPS."""
+        return bool(self.ssl_keyfile and self.ssl_certfile)
 
     @property
     def placement(self) -> PlacementSettings:

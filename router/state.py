@@ -26,6 +26,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.errors import APIError, invalid
 from pdserve.router.metrics import RouterMetrics
 from pdserve.text.tokenizer import load_tokenizer
+from pdserve.wire.package_version import package_version
 from pdserve.wire.roles import Role
 
 # Threads that tokenize and apply chat templates (HF tokenizers release the GIL while they
@@ -90,6 +91,7 @@ class RouterState:
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.unknown_fields = UnknownFieldLog()
         self.created = int(time.time())
+        self.version = package_version()  # GET /version
         self.draining = False  # set on SIGTERM (router/api/drain.py): new requests get 503
 
     def _on_stats(self, node: NodeState) -> None:

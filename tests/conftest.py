@@ -40,6 +40,7 @@ PROCESS_MODULES = (
     "nodes/test_colocated_node.py",
     "nodes/test_colocated_tensor_parallel.py",
     "nodes/test_disaggregated_tensor_parallel.py",
+    "router/test_tls_and_root_path.py",
     "wire/test_cluster_secret.py",
 )
 SLOW_MODULES = (

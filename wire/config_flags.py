@@ -14,6 +14,9 @@ A config dataclass owns each operator option: its field's name, type and default
             (`--served-model-name A B`: the name and its aliases); a field set this way and
             by no flag of its own names the flag in its `set_by` metadata
   switch    the flag takes no value (store_true); the field gets to_field(True)
+  off_flag  a second spelling, taking no value either, that sets the field False where `flag`
+            sets it True (`--enable-log-requests` / `--disable-log-requests`); `off_help` is
+            its help; giving both is an error
   repeat    the flag may be given several times; the field gets the list (action "append")
   required  a command line (or the data handed with it) must give it, although code that
             constructs the class may rely on the field's default
@@ -102,6 +105,9 @@ def add_flags(
         names = [meta["flag"], *meta.get("aliases", ())]
         default = f.default if defaults and f.default is not dataclasses.MISSING else None
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": _help(f)}
+        if "off_flag" in meta:
+            _add_switch_pair(parser, f, names, default)
+            continue
         if meta.get("switch"):
             kwargs["action"] = "store_true"
         elif _value_type(f) is bool:
@@ -116,6 +122,23 @@ def add_flags(
             if "choices" not in meta:
                 kwargs.setdefault("metavar", meta["flag"].lstrip("-").replace("-", "_").upper())
         parser.add_argument(*names, **kwargs)
+
+
+def _add_switch_pair(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    f: dataclasses.Field,
+    names: list[str],
+    default: Any,
+) -> None:
+    """`flag` sets the field True, `off_flag` False; argparse refuses both on one line."""
+    pair = parser.add_mutually_exclusive_group()
+    pair.add_argument(
+        *names, dest=f.name, action="store_const", const=True, default=default, help=_help(f)
+    )
+    pair.add_argument(
+        f.metadata["off_flag"], dest=f.name, action="store_const", const=False, default=default,
+        help=f.metadata["off_help"],
+    )
 
 
 def given(

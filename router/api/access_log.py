@@ -12,7 +12,7 @@ the request ended. Fields: request_id, method, route, status (499: the client we
 any answer), e2e_s (from the request's arrival at the router), and for a request that ran a
 generation: response_id, prompt_tokens, generation_tokens, cached_tokens, ttft_s (arrival to
 the first token of any choice; absent without one) and finish_reasons (the choices' distinct
-reasons, in choice order; `abort` for a choice cut short). `/health` and `/metrics` (probes and
+reasons, in choice order; `abort` for a choice cut short). `/health`, `/ping` and `/metrics` (probes and
 scrapes) get no line; `--disable-log-requests` turns every line off, not the header.
 """
 
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.api.error_handling import CLIENT_CLOSED_REQUEST
+from pdserve.router.api.route_path import route_path
 
 if TYPE_CHECKING:
     from pdserve.router.generation import Generation
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = b"x-request-id"
 VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 REQUEST_RECORD_SCOPE_KEY = "pdserve.request_record"
-UNLOGGED_PATHS = frozenset({"/health", "/metrics"})
+UNLOGGED_PATHS = frozenset({"/health", "/ping", "/metrics"})
 MAX_LOGGED_PATH_CHARS = 200
 
 
@@ -135,7 +136,7 @@ class AccessLog:
             await self.app(scope, receive, send_with_id)
         finally:
             path = scope.get("path", "")
-            if self.enabled and path not in UNLOGGED_PATHS:
+            if self.enabled and route_path(scope) not in UNLOGGED_PATHS:
                 log_access(
                     access_fields(record, scope.get("method", ""), path, status, self.clock())
                 )

@@ -11,8 +11,10 @@ same status, OpenAI error body and headers (`Retry-After`), its `x-request-id`, 
 default headers, counted in `pdserve_request_errors_total` and logged as an access line, plus
 `connection: close`: the request's body is never read, and the client reconnects when it
 retries. The connection leaves to the app (`answer` returns None) every request it cannot
-answer alike: one whose path no check guards, one that passes the checks, and one whose API
-key must be checked first (a wrong key is a 401 before any 429: router/api/auth.py).
+answer alike: one whose path no check guards, one that passes the checks, one whose API key
+must be checked first (a wrong key is a 401 before any 429: router/api/auth.py), and one from a
+browser (an `Origin` header) while CORS is on, whose answer needs the CORS headers the app adds.
+Paths are matched less the root path (router/api/route_path.py).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from pdserve.router.api.access_log import RequestRecord, access_fields, log_access, request_id_from
-from pdserve.router.api.auth import key_matches
+from pdserve.router.api.auth import key_matches, key_required
 from pdserve.router.api.error_handling import error_headers
 from pdserve.router.api.overload_gate import OverloadChecks
+from pdserve.router.api.route_path import without_root_path
 from pdserve.router.errors import APIError
 from pdserve.router.state import RouterState
 
@@ -36,6 +39,9 @@ class EarlyRefusal:
     def __init__(self, state: RouterState, clock: Callable[[], float] = time.monotonic) -> None:
         self.checks = OverloadChecks(state)
         self.api_key = state.config.api_key
+        self.key_on_every_route = state.config.api_key_guards_every_route
+        self.root_path = state.config.root_path
+        self.cors = bool(state.config.allowed_origins)
         self.log_requests = state.config.log_requests
         self.on_error = state.metrics.error
         self.clock = clock
@@ -44,13 +50,20 @@ class EarlyRefusal:
         self, method: str, path: str, headers: Headers, default_headers: Headers = ()
     ) -> bytes | None:
         """The whole HTTP response refusing this request now, or None: the app answers it."""
-        if not self.checks.guards(method, path):
+        route = without_root_path(path, self.root_path)
+        if not self.checks.guards(method, route):
             return None
         headers = list(headers)
-        if self.api_key and not key_matches(_header(headers, b"authorization"), self.api_key):
+        if self.cors and _header(headers, b"origin"):
+            return None
+        if (
+            self.api_key
+            and key_required(method, route, self.key_on_every_route)
+            and not key_matches(_header(headers, b"authorization"), self.api_key)
+        ):
             return None
         arrived_at = self.clock()
-        error = self.checks.refusal(method, path)
+        error = self.checks.refusal(method, route)
         if error is None:
             return None
         self.on_error(error.type)

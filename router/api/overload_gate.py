@@ -28,6 +28,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.router.api.error_handling import error_response
+from pdserve.router.api.route_path import route_path
 from pdserve.router.errors import APIError
 from pdserve.router.state import RouterState
 
@@ -69,7 +70,7 @@ class OverloadGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            error = self.checks.refusal(scope["method"], scope["path"])
+            error = self.checks.refusal(scope["method"], route_path(scope))
             if error is not None:
                 if self.on_error is not None:
                     self.on_error(error.type)

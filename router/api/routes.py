@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.router.api.access_log import request_record
 from pdserve.router.api.body import read_json_object
+from pdserve.router.api.content_parts import check_text_only
 from pdserve.router.api.error_handling import at_request_end
 from pdserve.router.api.responses import Responder
 from pdserve.router.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -110,6 +111,12 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=503)
 
 
+async def version(request: Request) -> Response:
+    """vLLM's `GET /version`: `{"version": "X.Y.Z"}`, pdserve's (wire/package_version.py)."""
+    state: RouterState = request.app.state.router
+    return JSONResponse({"version": state.version})
+
+
 async def metrics(request: Request) -> Response:
     state: RouterState = request.app.state.router
     return Response(state.metrics.render(), media_type=state.metrics.content_type)
@@ -124,10 +131,12 @@ def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
 
 async def read_request(request: Request, state: RouterState, model: type[BaseModel]) -> Any:
     """The request of any POST route, read and parsed: its body (413/400), then 400 for a
-    wrong type or a parameter pdserve does not implement, a warning (once per name) for an
+    content part that is not text (router/api/content_parts.py), for a wrong type or for a
+    parameter pdserve does not implement, a warning (once per name) for an
     unknown field (router/api/unsupported.py), and 404 for a model this server does not
     serve."""
     data = await read_json_object(request, state.config.max_body_bytes)
+    check_text_only(data)
     req = _parse(model, data)
     check_not_implemented(data)
     state.unknown_fields.note(request.scope["path"], unknown_fields(data, known_fields(model)))

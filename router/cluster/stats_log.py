@@ -1,6 +1,6 @@
-"""The periodic stats line, one per node, like vLLM's: every `interval_s` (5 s by default), for
-each node that had traffic since its previous line (its token counters moved, or it has
-requests running or waiting), at INFO (logger `pdserve.router.cluster.stats_log`):
+"""The periodic stats line, one per node, like vLLM's: every `interval_s` (by default
+STATS_LOG_INTERVAL_S, 10 s, vLLM's interval), for each node that had traffic since its previous
+line (its token counters moved, or it has requests running or waiting), at INFO (logger `pdserve.router.cluster.stats_log`):
 
     node n0 (colocated): Avg prompt throughput: 812.4 tokens/s, Avg generation throughput:
     95.1 tokens/s, Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 12.5%, Prefix cache hit
@@ -27,6 +27,8 @@ from typing import Any
 from pdserve.wire.messages import NodeStats
 
 logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 10.0
 
 
 @dataclass

@@ -28,6 +28,7 @@ from pdserve.wire.cluster_auth import ClusterAuth
 from pdserve.wire.config_flags import build, option, options
 from pdserve.wire.roles import Role
 from tests.cli.test_serve_flags import TEMPLATE, child_configs, planned_router, serve_args
+from tests.tls_certificate import self_signed_certificate
 
 # field -> (the flags `pdserve serve` gets, the field value each node must build): a new
 # option fails test_every_option_has_a_case until it gets one here.
@@ -81,7 +82,15 @@ ROUTER_CASES = {
     "allow_client_priority": (["--allow-client-priority"], True),
     "log_requests": (["--disable-log-requests"], False),
     "log_stats": (["--disable-log-stats"], False),
+    "api_key_guards_every_route": (["--api-key-guards-every-route"], True),
+    "allowed_origins": (["--allowed-origins", '["https://a.example"]'], ["https://a.example"]),
+    "allowed_methods": (["--allowed-methods", '["GET", "POST"]'], ["GET", "POST"]),
+    "allowed_headers": (["--allowed-headers", '["authorization"]'], ["authorization"]),
+    "allow_credentials": (["--allow-credentials"], True),
+    "root_path": (["--root-path", "/llm"], "/llm"),
 }
+# Options whose values must name real files: given by the test that makes them.
+TLS_OPTIONS = {"ssl_keyfile", "ssl_certfile"}
 
 
 def serve_options(cls: type) -> set[str]:
@@ -91,7 +100,7 @@ def serve_options(cls: type) -> set[str]:
 def test_every_option_has_a_case():
     assert serve_options(EngineConfig) == set(ENGINE_CASES)
     assert serve_options(NodeConfig) == set(NODE_CASES)
-    assert serve_options(RouterConfig) == set(ROUTER_CASES)
+    assert serve_options(RouterConfig) == set(ROUTER_CASES) | TLS_OPTIONS
 
 
 @pytest.mark.parametrize("layout", [["--kv-transport", "shm"], ["--colocated"]])
@@ -152,8 +161,14 @@ def test_a_field_with_flag_metadata_appears_on_every_command_line(monkeypatch, c
     assert build(WithNewOption).new_knob == 3
 
 
-def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_field():
-    flags = [flag for argv, _ in ROUTER_CASES.values() for flag in argv]
+def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_field(tmp_path):
+    key, cert = self_signed_certificate(tmp_path)
+    cases = {
+        **ROUTER_CASES,
+        "ssl_keyfile": (["--ssl-keyfile", str(key)], str(key)),
+        "ssl_certfile": (["--ssl-certfile", str(cert)], str(cert)),
+    }
+    flags = [flag for argv, _ in cases.values() for flag in argv]
     args = serve_args(["/models/tiny", *flags])
     served = ServedModel(Path("/models/tiny"), ("tiny", "tiny-alias"))
     plan, (config, _log) = planned_router(args, served)
@@ -161,7 +176,7 @@ def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_
         model_path="/models/tiny", served_model_name="tiny", served_model_aliases=("tiny-alias",),
         listen_address="tcp://127.0.0.1:26992", node_addresses=["node-0=tcp://127.0.0.1:26991"],
         cluster_auth=ClusterAuth.from_secret("s" * 32),
-        **{name: value for name, (_, value) in ROUTER_CASES.items()},
+        **{name: value for name, (_, value) in cases.items()},
     )
     for f in dataclasses.fields(RouterConfig):
         assert getattr(config, f.name) == getattr(expected, f.name), f.name

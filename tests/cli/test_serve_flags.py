@@ -221,3 +221,29 @@ def test_tensor_parallel_size_reaches_the_colocated_node_with_its_threads():
     args = serve_args(["/models/tiny", "--colocated", "-tp", "2", "--threads-per-node", "2"])
     (config,) = node_engine_configs(args)
     assert (config.tensor_parallel_size, config.num_threads) == (2, 2)  # 1 thread per rank
+
+
+def test_vllms_http_flags_reach_the_router(tmp_path):
+    args = serve_args([
+        "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["POST"]',
+        "--allowed-headers", '["authorization"]', "--allow-credentials", "--root-path", "/llm",
+        "--api-key-guards-every-route", "--enable-log-requests",
+    ])
+    _, (config, _) = planned_router(args)
+    assert config.allowed_origins == ["https://a.example"]
+    assert (config.allowed_methods, config.allowed_headers) == (["POST"], ["authorization"])
+    assert config.allow_credentials and config.api_key_guards_every_route
+    assert config.root_path == "/llm" and config.log_requests is True
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--enable-log-requests", "--disable-log-requests"], "not allowed with argument"),
+    (["--ssl-keyfile", "/nonexistent.key"], "--ssl-keyfile is given without --ssl-certfile"),
+    (["--root-path", "llm/"], "--root-path is 'llm/'"),
+    (["--allowed-origins", "*"], "--allowed-origins is '*'; expected a JSON list"),
+])
+def test_serve_refuses_inconsistent_http_flags_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

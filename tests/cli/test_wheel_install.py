@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -211,3 +212,6 @@ def test_installed_commands_run_outside_the_checkout(installed, tiny_llama_dir, 
     for command in commands:
         result = run_installed(installed, command, tmp_path)
         assert result.returncode == 0, f"{' '.join(command)}:\n{result.stderr[-3000:]}"
+    version = run_installed(installed, ["pdserve", "--version"], tmp_path)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert version.stdout == f"pdserve {project['version']}\n", version  # the wheel's metadata

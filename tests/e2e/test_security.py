@@ -4,7 +4,8 @@ payloads, random bytes, malformed and well-formed messages sent to every ZeroMQ 
 router's and the nodes' PULL sockets and the decode node's KV channel), raw and through
 ZeroMQ sockets of every type that can connect, never arrive without the cluster secret; with it
 they are dropped without being unpickled; every process stays up and keeps serving; with an
-API key every route but /health answers 401 without it."""
+API key and --api-key-guards-every-route every route but the probes /health and /ping answers
+401 without it (the default, vLLM's /v1/ rule, is tests/router/test_api_key_routes.py's)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("security") / "serve.log"
     server = ServeProcess(
         ["--model", str(tiny_llama_dir), "--kv-cache-memory", str(32 << 20), "--api-key", KEY,
-         "--cluster-secret", CLUSTER_SECRET, "--disagg-policy", "always"],
+         "--api-key-guards-every-route", "--cluster-secret", CLUSTER_SECRET, "--disagg-policy", "always"],
         ready_timeout_s=120,
         log_path=log_path,
     )
@@ -237,20 +238,20 @@ def test_pickles_and_garbage_on_every_zmq_port_are_dropped_and_the_nodes_keep_se
     assert "stranger" not in server.log_path.read_text()
 
 
-def test_every_route_but_health_needs_the_api_key(server, tiny_llama_dir):
+def test_every_route_but_the_probes_needs_the_api_key(server, tiny_llama_dir):
     app = create_app(RouterConfig(model_path=tiny_llama_dir, node_addresses=[]))
     routes = [(r.path, sorted(r.methods)) for r in app.routes if hasattr(r, "methods")]
     routes += [("/", ["GET"]), ("/v1/embeddings", ["POST"]), ("/docs", ["GET"])]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics"} <= {
-        path for path, _ in routes
-    }
+    assert {
+        "/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics", "/version", "/ping"
+    } <= {path for path, _ in routes}
     for path, methods in routes:
         for method in methods:
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
                 response = httpx.request(
                     method, f"{server.url}{path}", headers=headers, json={}, timeout=10
                 )
-                if path == "/health":
+                if path in ("/health", "/ping"):
                     assert response.status_code == 200
                 elif path.startswith(ADMIN_PREFIX):  # the cluster's admin token, not the key
                     assert response.status_code == 401, (method, path, headers)

@@ -13,6 +13,7 @@ import httpx
 from fastapi.testclient import TestClient
 
 from pdserve.router.api.app import create_app
+from pdserve.router.api.early_refusal import EarlyRefusal
 from tests.router.fake_node import (
     MODEL,
     REPLY,
@@ -87,3 +88,32 @@ def test_a_request_with_room_is_served_on_a_connection_that_stays_open(tokenizer
     assert len(ports) == 1
     assert len(node.submitted) == 2
     assert admission_counts(app) == (0, 0)
+
+
+def test_the_early_refusal_reads_the_route_less_the_root_path_and_the_keys_rule(tokenizer):
+    config = unlooped_router_config(
+        Path("unused"), MODEL, node_timeout_s=30.0, api_key=KEY, root_path="/llm"
+    )
+    app = create_app(config, tokenizer=tokenizer)
+    app.state.router.client.record_stats(node_stats())
+    config.max_queued_requests = 0
+    refusal = EarlyRefusal(app.state.router)
+    keyed = [(b"authorization", f"Bearer {KEY}".encode())]
+    answer = refusal.answer("POST", "/llm/v1/completions", keyed)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 429")
+    assert refusal.answer("POST", "/llm/v1/completions", []) is None  # the app's 401 first
+    assert refusal.answer("POST", "/llm/tokenize", []).startswith(b"HTTP/1.1 429")  # no key
+    # A browser's request goes to the app, whose answer carries the CORS headers.
+    assert refusal.answer("POST", "/llm/v1/completions", [*keyed, (b"origin", b"https://a")]) is None
+
+
+def test_a_browsers_refusal_through_the_app_carries_the_cors_headers(tokenizer, tmp_path):
+    app = make_app(tokenizer, tmp_path, node_stats())
+    app.state.router.config.max_queued_requests = 0
+    with serving(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        refused = http.post(
+            "/v1/completions", json=completion_body(False), headers={"origin": "https://a.example"}
+        )
+    assert refused.status_code == 429
+    assert refused.headers["access-control-allow-origin"] == "*"
+    assert "connection" not in refused.headers  # the app answered, not the connection

@@ -179,6 +179,16 @@ def test_router_flags_use_vllm_spellings():
         parse_args([*base, "--log-format", "xml"])
 
 
+def test_log_requests_has_both_of_vllms_spellings_and_refuses_both_at_once(capsys):
+    base = ["--model", "m", "--node", "tcp://127.0.0.1:1", "--listen", "tcp://127.0.0.1:2"]
+    assert parse_args([*base, "--enable-log-requests"], environ={})[0].log_requests is True
+    assert parse_args([*base, "--disable-log-requests"], environ={})[0].log_requests is False
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--enable-log-requests", "--disable-log-requests"], environ={})
+    err = capsys.readouterr().err
+    assert "--disable-log-requests: not allowed with argument --enable-log-requests" in err
+
+
 def test_log_settings_refuse_unknown_values():
     with pytest.raises(ValueError, match="log_format is 'xml'"):
         LogSettings(log_format="xml")
@@ -259,7 +269,7 @@ def test_stats_line_of_a_restarted_node_counts_from_zero():
 
 def test_disable_log_stats_builds_no_stats_log(app_factory):
     assert app_factory(log_stats=False).app.state.router.stats_log is None
-    assert app_factory().app.state.router.stats_log.interval_s == 5.0
+    assert app_factory().app.state.router.stats_log.interval_s == 10.0  # vLLM's interval
 
 
 def test_router_config_refuses_a_bad_stats_interval(tiny_llama_dir):
