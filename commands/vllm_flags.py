@@ -71,8 +71,6 @@ REFUSED: dict[str, str] = {
     "--config": "give the options on the command line (a YAML file of them is not read)",
     "--trust-request-chat-template": "a request's own `chat_template` is always refused",
     "--lora-modules": "LoRA adapters are not supported",
-    "--default-chat-template-kwargs": "not supported yet; send `chat_template_kwargs` with the "
-    "request",
     "--enable-force-include-usage": "ask for usage with `stream_options.include_usage`",
     "--return-tokens-as-token-ids": "send `return_tokens_as_token_ids: true` with the request",
     "--kv-transfer-config": "pdserve moves KV itself: --prefill/--decode and --kv-transport",

@@ -21,6 +21,7 @@ from pdserve.router.cluster.node_registry import parse_node_spec
 from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
 from pdserve.router.cluster.stats_log import STATS_LOG_INTERVAL_S
 from pdserve.text.reasoning_split import ReasoningStyle
+from pdserve.text.template_kwargs import check_template_kwargs
 from pdserve.wire.cluster_auth import SECRET_ENV, ClusterAuth
 from pdserve.wire.config_flags import option
 from pdserve.wire.limits import MAX_CHOICES_PER_PROMPT, MAX_LOGPROBS
@@ -103,6 +104,14 @@ class RouterConfig:
     chat_template: str | None = option(
         None, flag="--chat-template", metavar="FILE_OR_TEMPLATE", to_field=chat_template_source,
         help="a Jinja chat template, or a file holding one, instead of the model's",
+    )
+    # Template variables every chat request gets unless it gives its own
+    # (router/api/template_options.py), as vLLM's --default-chat-template-kwargs.
+    default_chat_template_kwargs: dict[str, Any] = option(  # noqa: RUF009 (a dataclasses.field)
+        flag="--default-chat-template-kwargs", default_factory=dict, metavar="JSON_OBJECT",
+        to_field=json.loads,
+        help="chat template variables for every request that does not set them in its "
+        "chat_template_kwargs, a JSON object (e.g. '{\"enable_thinking\": false}')",
     )
     # How a chat choice's thinking is told from its answer (text/reasoning_split.py).
     reasoning_parser: str | None = option(
@@ -329,6 +338,9 @@ class RouterConfig:
             raise ValueError(
                 f"stats_log_interval_s is {self.stats_log_interval_s}; expected (0, 3600] s"
             )
+        self.default_chat_template_kwargs = check_template_kwargs(
+            self.default_chat_template_kwargs, field="--default-chat-template-kwargs"
+        )
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             _check_string_list(name, getattr(self, name))
         self._check_root_path()

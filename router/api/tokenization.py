@@ -48,17 +48,22 @@ async def tokenize(request: Request) -> dict[str, Any]:
         num_chars = sum(len(message.text()) for message in req.messages)
         state.check_prompt_chars(num_chars, limits, "messages")
     with state.admission.holding():
-        tokens, token_strs = await state.tokenizer_threads.run(_tokenize, req, state.tokenizer)
+        tokens, token_strs = await state.tokenizer_threads.run(
+            _tokenize, req, state.tokenizer, state.config.default_chat_template_kwargs
+        )
     out: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
     if token_strs is not None:
         out["token_strs"] = token_strs
     return out
 
 
-def _tokenize(req: TokenizeRequest, tokenizer: Any) -> tuple[list[int], list[str] | None]:
-    """The token ids (and their strings when asked); 400 for text no tokenizer encodes."""
+def _tokenize(
+    req: TokenizeRequest, tokenizer: Any, default_kwargs: dict[str, Any]
+) -> tuple[list[int], list[str] | None]:
+    """The token ids (and their strings when asked); 400 for text no tokenizer encodes;
+    `default_kwargs`: the server's chat template variables."""
     if req.prompt is None:
-        tokens = chat_prompt(req, tokenizer)
+        tokens = chat_prompt(req, tokenizer, None, default_kwargs)
     else:
         try:
             tokens = list(

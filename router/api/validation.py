@@ -133,10 +133,14 @@ def prompt_ids(prompt: PromptInput, tokenizer: Any) -> list[int]:
 
 
 def chat_prompt(
-    req: ChatCompletionRequest, tokenizer: Any, tool_plan: ToolPlan | None = None
+    req: ChatCompletionRequest,
+    tokenizer: Any,
+    tool_plan: ToolPlan | None = None,
+    default_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    """The conversation's token ids; `default_kwargs`: the server's template variables."""
     messages, tools = template_input(req.messages, tool_plan, tokenizer)
-    options = template_options(req, tokenizer.special_tokens)
+    options = template_options(req, tokenizer.special_tokens, default_kwargs)
     try:
         return list(tokenizer.apply_chat_template(messages, tools=tools, options=options))
     except ValueError as error:
@@ -292,7 +296,7 @@ def plan_chat(
         req, requested, logprobs, scoring.num_top, structured_output, params
     )
     max_model_len, vocab_size = limits()
-    ids = chat_prompt(req, tokenizer, tools)
+    ids = chat_prompt(req, tokenizer, tools, config.default_chat_template_kwargs)
     check_prompt_ids(ids, vocab_size, "messages")
     check_scored_prompt(ids, scoring, "messages")
     max_tokens = resolve_max_tokens(

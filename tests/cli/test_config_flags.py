@@ -73,6 +73,10 @@ ROUTER_CASES = {
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
     "metrics_prefix": (["--metrics-prefix", "vllm"], "vllm"),
     "max_logprobs": (["--max-logprobs", "5"], 5),
+    "default_chat_template_kwargs": (
+        ["--default-chat-template-kwargs", "{\"enable_thinking\": false}"],
+        {"enable_thinking": False},
+    ),
     "local_prefill_tokens": (["--local-prefill-tokens", "64"], 64),
     "local_prefill_queue_delay_s": (["--local-prefill-queue-delay", "0.5"], 0.5),
     "stream_stall_timeout_s": (["--stream-stall-timeout", "4"], 4.0),

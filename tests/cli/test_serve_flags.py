@@ -153,6 +153,9 @@ def test_served_name_defaults_to_the_folder_name_not_the_path(tmp_path):
             "--planner-kv-usage-high is 2.0; expected 0 to 1",
         ),
         (["--planner", "load", "--decode", "2", "--host", "10.0.0.1"], "--host is 10.0.0.1"),
+        (["--default-chat-template-kwargs", '{"messages": []}'],
+         "'--default-chat-template-kwargs.messages' is set by the server itself"),
+        (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
     ],
 )
 def test_bad_serve_flags_print_pdserve_serve_usage(capsys, flags, message):

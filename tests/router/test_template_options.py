@@ -1,5 +1,6 @@
-"""The bounds on a chat request's template options (router/api/template_options.py), checked
-without a server: what passes, and the field each refusal names."""
+"""The bounds on a chat request's template options (router/api/template_options.py,
+text/template_kwargs.py), checked without a server: what passes, what the server's defaults add,
+and the field each refusal names."""
 
 from __future__ import annotations
 
@@ -7,12 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.router.api.template_options import (
-    MAX_KWARGS_BYTES,
-    MAX_KWARGS_DEPTH,
-    template_options,
-)
+from pdserve.router.api.template_options import template_options
 from pdserve.router.errors import APIError
+from pdserve.text.template_kwargs import MAX_KWARGS_BYTES, MAX_KWARGS_DEPTH
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
 
@@ -59,3 +57,10 @@ def test_out_of_bounds_options_are_400_naming_the_field(req, param):
     with pytest.raises(APIError) as caught:
         template_options(req, SPECIAL)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_the_servers_defaults_sit_under_the_requests_own():
+    defaults = {"enable_thinking": False, "style": "brief"}
+    options = template_options(request({"enable_thinking": True}), SPECIAL, defaults)
+    assert options.kwargs == {"enable_thinking": True, "style": "brief"}
+    assert template_options(request(), SPECIAL, defaults).kwargs == defaults
