@@ -12,13 +12,8 @@ import openai
 import pytest
 
 from pdserve.commands.serve_process import ServeProcess
+from tests.text.test_template_options import TEMPLATE  # Qwen3-style, with enable_thinking
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}"
-)
 THINK_THEN_ANSWER = r"<think>[a-z]{4,8}</think>\n\n[a-z]{3,6}"
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]
 
