@@ -6,7 +6,7 @@ STAMP := $(VENV)/.pdserve-installed
 # Known-good versions of everything `make install` installs (pyproject keeps ranges for library
 # users); `make lock` resolves them anew, to the newest pip offers, with torch held at TORCH.
 LOCK := requirements.lock
-EXTRAS := test,mooncake
+EXTRAS := test,mooncake,ray
 TORCH := 2.13.0
 LOCK_VENV := .venv-lock
 # `make test-newest`: the newest versions pip offers today, torch included.
