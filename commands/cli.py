@@ -110,6 +110,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.parser.error(str(error))
     for spelling in getattr(args, "vllm_no_ops", ()):
         print(f"pdserve: {spelling} (vLLM's) accepted: {NO_OPS[spelling].why}", file=sys.stderr)
+    if args.ray is not None:
+        from pdserve.commands.ray_launcher import serve_on_ray
+
+        return serve_on_ray(args)
     return serve(args)
 
 

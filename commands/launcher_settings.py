@@ -10,6 +10,7 @@ LogSettings' (commands/launcher.py, commands/router_plan.py); those named here a
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,13 @@ class LauncherSettings:
         "auto", flag="--kv-transport", choices=KV_TRANSPORTS, group="deployment",
         help="how KV moves from prefill to decode nodes (auto: cuda_ipc on GPUs, else shm; "
         "with a --router-listen other hosts reach, mooncake if installed, else zmq)",
+    )
+    ray: str | None = option(
+        None, flag="--ray", nargs="?", const="", metavar="ADDRESS", group="deployment",
+        help="run the router and every node as actors of a Ray cluster, which places them on "
+        "its hosts (needs pdserve[ray]): ADDRESS is the cluster's (or auto); without it, the "
+        "one $RAY_ADDRESS names, else a cluster started on this host for the run "
+        "(docs/many_hosts.md)",
     )
     host: str = option(
         "127.0.0.1", flag="--host", group="deployment", help="HTTP bind address (the router's)"
@@ -100,3 +108,5 @@ class LauncherSettings:
             raise ValueError("--prefill and --decode need at least one node each")
         if self.threads_per_node is not None and self.threads_per_node < 1:
             raise ValueError(f"--threads-per-node {self.threads_per_node}: expected 1 or more")
+        if self.ray is not None and importlib.util.find_spec("ray") is None:
+            raise ValueError("--ray needs Ray, which is not installed: pip install 'pdserve[ray]'")

@@ -6,7 +6,7 @@ A config dataclass owns each operator option: its field's name, type and default
   flag      the flag's spelling, e.g. "--max-num-seqs" (a field without one is no option)
   aliases   further spellings ("--max-waiting-requests", "-tp")
   help      what it means; the field's default is appended unless the help names one
-  choices, metavar, nargs   as argparse's
+  choices, metavar, nargs, const   as argparse's
   type      the flag's value type when it differs from the field's (`--swap-space` GiB: float)
   to_field  flag value -> field value, where unit or sense differ (GiB -> bytes;
             `--enforce-eager` -> cuda_graphs False); the one place a conversion is written
@@ -116,7 +116,7 @@ def add_flags(
             if meta.get("repeat"):
                 kwargs["action"] = "append"
             kwargs["type"] = _value_type(f)
-            for key in ("choices", "metavar", "nargs"):
+            for key in ("choices", "metavar", "nargs", "const"):
                 if key in meta:
                     kwargs[key] = meta[key]
             if "choices" not in meta:

@@ -98,7 +98,8 @@ class NodeClient:
     ) -> None:
         self.links = NodeLinks(listen_address, cluster_auth or ClusterAuth.none())
         self.registry = NodeRegistry(
-            node_addresses, node_timeout_s, self.links.connect, clock, on_restart=self._on_restart
+            node_addresses, node_timeout_s, self.links.connect, clock,
+            on_restart=self._on_restart, disconnect=self.links.disconnect,
         )
         self.node_timeout_s = node_timeout_s
         self.on_stats = on_stats

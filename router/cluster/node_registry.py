@@ -5,7 +5,9 @@ A node is known from a configured address (`[ID=]tcp://host:port`, bound to the 
 heartbeat that claims it) or from a heartbeat carrying a listen address the router has not
 seen (a node started on another host joins this way). A heartbeat with a new instance id under
 a known node id is a restarted node: `on_restart(node)` lets the caller drop what it had sent
-the previous process. These, and its role (colocated, prefill, decode), come from its
+the previous process. A restarted node that listens at another address (Ray placed it on
+another host, or on another free port: commands/ray_process_actor.py) is followed there: its
+old connection is closed (`disconnect`) and a new one made to the address it reports. These, and its role (colocated, prefill, decode), come from its
 NodeStats' `identity`.
 
 Liveness: slow is not dead. A node is down when its process is gone or when it has made no
@@ -104,6 +106,7 @@ class NodeRegistry:
         connect: Callable[[NodeState], None],
         clock: Callable[[], float],
         on_restart: Callable[[NodeState], None] | None = None,
+        disconnect: Callable[[NodeState], None] = lambda node: None,
     ) -> None:
         self.nodes = [
             NodeState(address, node_id) for node_id, address in map(parse_node_spec, node_addresses)
@@ -112,6 +115,7 @@ class NodeRegistry:
         self.connect = connect
         self.clock = clock
         self.on_restart = on_restart
+        self.disconnect = disconnect
         self.removed: set[str] = set()  # ids of nodes removed for good
         self.reference: tuple[str, str, int] | None = None
         self.kv_shards_reference: int | None = None  # tensor_parallel_size of prefill/decode
@@ -177,9 +181,19 @@ class NodeRegistry:
         node.promised_blocks = 0
         if previous is not None and previous.identity.instance_id != identity.instance_id:
             logger.warning("node %s (%s) was restarted", identity.node_id, identity.role)
+            if identity.listen_address and identity.listen_address != node.address:
+                self._move(node, identity.listen_address)
             if self.on_restart is not None:
                 self.on_restart(node)
         return node
+
+    def _move(self, node: NodeState, address: str) -> None:
+        """Follows a restarted node to the address it listens at now (module docstring)."""
+        logger.warning("node %s moved from %s to %s", node.node_id, node.address, address)
+        self.disconnect(node)
+        node.address = address
+        node.connection_lost = False  # the new connection's own events say from here on
+        self.connect(node)
 
     def sweep(self) -> list[NodeState]:
         """Updates every node's `up`; logs and returns the nodes whose liveness changed."""

@@ -35,6 +35,26 @@ def test_a_node_joins_by_its_listen_address():
     assert nodes.live("decode") == [joined]
 
 
+def test_a_restarted_node_is_followed_to_its_new_address_and_a_late_stats_moves_nothing():
+    disconnected: list[str] = []
+    connected: list[str] = []
+    nodes = NodeRegistry(
+        [], 30.0, lambda node: connected.append(node.address), lambda: 0.0,
+        disconnect=lambda node: disconnected.append(node.address),
+    )
+    nodes.record(stats("d0", "decode", "tcp://10.0.0.1:5000", instance_id="first"))
+    nodes.record(stats("d0", "decode", "tcp://10.0.0.1:5000", instance_id="first"))
+    moved = nodes.record(stats("d0", "decode", "tcp://10.0.0.2:6000", instance_id="second"))
+    assert moved.address == "tcp://10.0.0.2:6000" and not moved.connection_lost
+    assert disconnected == ["tcp://10.0.0.1:5000"]
+    assert connected == ["tcp://10.0.0.1:5000", "tcp://10.0.0.2:6000"]
+    assert [n.node_id for n in nodes.live()] == ["d0"] and len(nodes.nodes) == 1
+    # The same process again, or one that restarted at the same address: no new connection.
+    nodes.record(stats("d0", "decode", "tcp://10.0.0.2:6000", instance_id="second"))
+    nodes.record(stats("d0", "decode", "tcp://10.0.0.2:6000", instance_id="third"))
+    assert len(connected) == 2 and len(disconnected) == 1
+
+
 def test_a_node_with_another_model_dtype_or_block_size_is_refused():
     nodes, _ = registry()
     nodes.record(stats("a", "prefill", "tcp://h:1"))
