@@ -229,8 +229,10 @@ def place_on_gpus(num_nodes: int, gpus: list[str], see_every_gpu: bool) -> list[
     return placements
 
 
-def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> list[NodePlan]:
-    """One process per node; on a GPU host each runs on one GPU (see the module docstring for
+def plan_nodes(
+    args: argparse.Namespace, model: str, router_address: str, tokenizer: str | None = None
+) -> list[NodePlan]:
+    """One process per node (`tokenizer`: the folder of `--tokenizer`, where given); on a GPU host each runs on one GPU (see the module docstring for
     which and what else it sees), on a CPU host on the threads commands/node_threads.py plans
     (a disjoint share of the cores each, a lone decode node borrowing the rest while no prompt
     of its is being prefilled) unless `--threads-per-node` says otherwise."""
@@ -238,6 +240,8 @@ def plan_nodes(args: argparse.Namespace, model: str, router_address: str) -> lis
 
     settings = node_settings(args)
     engine = {**settings["engine"], "model": model}
+    if tokenizer is not None:
+        engine["tokenizer"] = tokenizer
     node = {**settings["node"], "router_address": router_address}
     across_hosts = False
     if args.colocated:
@@ -319,12 +323,13 @@ def serve(args: argparse.Namespace) -> int:
     """Finds and checks the model, starts the nodes and the router; runs until interrupted;
     returns the exit status (2: the model cannot be served)."""
     served = resolve_served_model(
-        args.model, args.served_model_name, args.revision, args.download_dir
+        args.model, args.served_model_name, args.revision, args.download_dir, args.tokenizer
     )
-    check_model_folder(served.folder, args.load_format)
+    check_model_folder(served.folder, args.load_format, served.tokenizer_folder is None)
     model = str(served.folder)
     router_address = args.router_listen or f"tcp://127.0.0.1:{free_port()}"
-    nodes = plan_nodes(args, model, router_address)
+    tokenizer = str(served.tokenizer_folder) if served.tokenizer_folder else None
+    nodes = plan_nodes(args, model, router_address, tokenizer)
     cluster_secret = args.cluster_secret or secrets.token_urlsafe(32)
     secret_env = {SECRET_ENV: cluster_secret}
     router = plan_router(

@@ -78,6 +78,11 @@ class LauncherSettings:
         help="names clients may send as `model`; /v1/models lists the first (default: the "
         "folder's name, or the Hub id)",
     )
+    tokenizer: str | None = option(
+        None, flag="--tokenizer", metavar="PATH_OR_ID", group="model",
+        help="a folder or Hub id whose tokenizer (tokenizer.json, tokenizer_config.json, chat "
+        "template) the router and nodes read instead of the model's; the weights stay MODEL's",
+    )
     revision: str | None = option(
         None, flag="--revision", metavar="REV", group="model",
         help="a Hub id's branch, tag or commit (default: main)",

@@ -1,8 +1,8 @@
 """The router `pdserve serve` starts: its RouterConfig, planned from serve's flags, handed as data.
 
 `pdserve serve` takes every RouterConfig option the launcher does not decide itself, generated
-from the dataclass (commands/serve_flags.py). The launcher decides the rest: the model folder
-and its served names (as it resolved them), `--host`/`--port`, the router's ZeroMQ address, the
+from the dataclass (commands/serve_flags.py). The launcher decides the rest: the model folder,
+the tokenizer's (`--tokenizer`) and the served names (as it resolved them), `--host`/`--port`, the router's ZeroMQ address, the
 nodes it started and the cluster secret.
 
 The router process's argv is `python -m pdserve.router` alone. Its settings travel as data: JSON in
@@ -76,6 +76,7 @@ def plan_router(
     values = router_options(args)
     values.update(
         model_path=str(served.folder),
+        tokenizer_path=str(served.tokenizer_folder) if served.tokenizer_folder else None,
         served_model_name=served.names[0],
         served_model_aliases=list(served.names[1:]),
         host=args.host,

@@ -43,8 +43,8 @@ NO_OPS: dict[str, NoOp] = {
     "--disable-fastapi-docs": NoOp("the router serves no OpenAPI docs pages"),
     "--max-log-len": NoOp("request log lines never carry prompt text"),
     "--response-role": NoOp("answers are always the assistant's", ("assistant",)),
-    "--tokenizer-mode": NoOp("the model folder's tokenizer.json is read as a fast tokenizer",
-                             ("auto", "hf")),
+    "--tokenizer-mode": NoOp("tokenizer.json (the model folder's, or --tokenizer's) is read "
+                             "as a fast tokenizer", ("auto", "hf")),
     "--chat-template-content-format": NoOp("message content is rendered as a string",
                                            ("auto", "string")),
     "--scheduling-policy": NoOp("requests are served first come first served (clients set "
@@ -66,7 +66,6 @@ REFUSED: dict[str, str] = {
     "--no-enable-chunked-prefill": "prompts are always prefilled in chunks",
     "--quantization": "weights run in their checkpoint's dtype; quantized checkpoints "
     "(GPTQ, AWQ, GGUF, fp8) are not supported yet",
-    "--tokenizer": "the tokenizer is the model folder's (tokenizer.json beside the weights)",
     "--hf-token": "set HF_TOKEN in the environment for `pdserve download` and Hub ids",
     "--config": "give the options on the command line (a YAML file of them is not read)",
     "--trust-request-chat-template": "a request's own `chat_template` is always refused",

