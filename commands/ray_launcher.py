@@ -32,6 +32,7 @@ between them moves over zmq (or mooncake), not CUDA IPC.
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import signal
 import time
@@ -47,8 +48,8 @@ from pdserve.commands.launcher import (
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
 from pdserve.commands.operator_lines import OperatorLines
 from pdserve.commands.planner_settings import PlannerSettings
-from pdserve.commands.ray_process_actor import ray_node_address
 from pdserve.commands.ray_placement import node_bundle, nodes_across_hosts, threads_per_node
+from pdserve.commands.ray_process_actor import ray_node_address
 from pdserve.commands.ray_replicas import ROUTER, RayReplicas
 from pdserve.commands.role_changer import RoleChanger
 from pdserve.commands.router_admin import RouterAdmin, admin_url
@@ -90,14 +91,14 @@ def node_names(args: argparse.Namespace) -> list[tuple[str, Role]]:
 
 def plan_ray_node(
     name: str, role: Role, settings: dict[str, dict[str, Any]], model: str, router_address: str,
-    threads: int | None, kv_transport: str | None,
+    threads: int | None, kv_transport: str | None, tokenizer: str | None = None,
 ) -> NodePlan:
     """Node `name`'s process, as commands/launcher.py plans one; its actor sets its address."""
     from pdserve.node.config import CONFIG_ENV
 
-    import json
-
     engine = {**settings["engine"], "model": model}
+    if tokenizer is not None:
+        engine["tokenizer"] = tokenizer
     if threads is not None:
         engine["num_threads"] = threads
     node = {**settings["node"], "router_address": router_address, "node_id": name,
@@ -115,9 +116,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     import ray
 
     served = resolve_served_model(
-        args.model, args.served_model_name, args.revision, args.download_dir
+        args.model, args.served_model_name, args.revision, args.download_dir, args.tokenizer
     )
-    check_model_folder(served.folder, args.load_format)
+    check_model_folder(served.folder, args.load_format, served.tokenizer_folder is None)
     lines = OperatorLines(args.log_format or "text")
     ray.init(address=args.ray or None, log_to_driver=bool(args.verbose), configure_logging=False)
     try:
@@ -168,7 +169,8 @@ def _serve(args: argparse.Namespace, served: Any, lines: OperatorLines) -> int:
         drain_timeout = router.config.drain_timeout_s
         plans = [
             plan_ray_node(name, role, settings, model, router_address,
-                          None if on_gpus else threads, kv_transport)
+                          None if on_gpus else threads, kv_transport,
+                          str(served.tokenizer_folder) if served.tokenizer_folder else None)
             for name, role in named
         ]
         secret_env = {SECRET_ENV: secret}
@@ -203,7 +205,8 @@ def _serve(args: argparse.Namespace, served: Any, lines: OperatorLines) -> int:
             f"{args.prefill} prefill + {args.decode} decode"
         )
         where = ", ".join(
-            f"{name} on {replicas.where(name)['host']}" for name, _role in named
+            f"{name} on {info['host']} (Ray node {info['ray_node_id'][:8]})"
+            for name, info in ((name, replicas.where(name)) for name, _role in named)
         )
         lines.say(
             f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout} "

@@ -28,6 +28,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[2]
 # Imported only by the bench scripts that draw plots, and declared in the `bench` extra.
+FEATURE_EXTRAS = ("ray", "mooncake")
 BENCH_EXTRA = "bench"  # what only the benchmarks import (plotting, their clients)
 # `make gpu-check` runs from the checkout, whose tests/ it imports its tiny model from.
 CHECKOUT_ONLY = {("tests", "pdserve/bench/gpu_checks.py")}
@@ -174,18 +175,24 @@ def test_every_third_party_import_is_a_declared_dependency(installed):
     bench_only = {
         canonicalize_name(r.name) for r in in_extra if r.marker.evaluate({"extra": BENCH_EXTRA})
     }
+    # A feature's extra (`ray`, `mooncake`): its modules import it where the feature runs, and
+    # the option that turns the feature on says which extra to install when it is missing.
+    feature_extras = {
+        canonicalize_name(r.name) for r in in_extra
+        if any(r.marker.evaluate({"extra": extra}) for extra in FEATURE_EXTRAS)
+    }
     ours = {"pdserve"}
     providers = metadata.packages_distributions()
     undeclared = []
     for module, files in sorted(third_party_imports(purelib, ours).items()):
         dists = {canonicalize_name(d) for d in providers.get(module, [])}
         benches_alone = all(f.startswith("pdserve/bench/") for f in files)
-        if dists & declared or (benches_alone and dists & bench_only):
+        if dists & declared or (benches_alone and dists & bench_only) or dists & feature_extras:
             continue
         undeclared.append(f"{module} ({dists or 'not installed'}) in {sorted(files)[:3]}")
     assert not undeclared, (
         "imported, not in [project] dependencies (nor, by benchmarks alone, in the "
-        f"{BENCH_EXTRA!r} extra): " + "; ".join(undeclared)
+        f"{BENCH_EXTRA!r} extra, nor in a feature's extra {FEATURE_EXTRAS}): " + "; ".join(undeclared)
     )
 
 
