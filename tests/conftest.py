@@ -25,6 +25,7 @@ PROCESS_MODULES = (
     "e2e/*.py",
     "engine/test_tensor_parallel.py",
     "faults/*.py",
+    "ray/*.py",
     "bench/test_burst.py",
     "bench/test_serve_run.py",
     "bench/test_tensor_parallel_bench.py",

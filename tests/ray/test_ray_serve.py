@@ -36,8 +36,6 @@ from tests.faults.test_role_planner import PLANNER, POLICIES, roles, stream_unti
 
 pytest.importorskip("ray", reason="the ray extra (pip install 'pdserve[ray]') is not installed")
 
-pytestmark = [pytest.mark.processes, pytest.mark.slow]
-
 
 @pytest.fixture(scope="module")
 def ray_cluster():
