@@ -300,6 +300,40 @@ def plan_nodes(
     return plans
 
 
+def planner_for(
+    planner: PlannerSettings, args: argparse.Namespace, router: Any,
+    tls_context: ssl.SSLContext | None, deployment: Any, plans: list[NodePlan],
+    child_env: dict[str, str], new_address: Callable[[], str], log: Callable[[str], None],
+) -> RoleChanger | None:
+    """The run-time planner of a ready deployment (`router`: its RouterPlan; `deployment`: a
+    supervisor's Deployment or commands/ray_replicas.py's RayReplicas), or None when off."""
+    if not planner.enabled:
+        return None
+    admin = RouterAdmin(
+        admin_url(args.host, args.port, router_scheme(router.config)),
+        router.config.cluster_auth.admin_token(), tls_context=tls_context,
+    )
+    return RoleChanger(planner, admin, deployment, plans, child_env, new_address, log)
+
+
+def supervise(
+    watch: Callable[[], str | None], role_changer: RoleChanger | None, stopping: list[int],
+    lines: OperatorLines,
+) -> int:
+    """The supervision loop once the deployment is ready: `watch()` (why it must stop, or None)
+    and the planner's step a few times a second, until a signal lands in `stopping`; the exit
+    status."""
+    while not stopping:
+        problem = watch()
+        if problem is not None:
+            lines.warn(f"pdserve: {problem}; stopping")
+            return 1
+        if role_changer is not None:
+            role_changer.step()
+        time.sleep(0.2)
+    return 0
+
+
 def _gpu_count() -> int:
     try:
         import torch
@@ -367,33 +401,23 @@ def serve(args: argparse.Namespace) -> int:
             logs.skip_written()
         ready = True
         planner = PlannerSettings(**given(PlannerSettings, args))
-        role_changer = None
-        if planner.enabled:
-            admin = RouterAdmin(
-                admin_url(args.host, args.port, router_scheme(router.config)),
-                router.config.cluster_auth.admin_token(), tls_context=tls_context,
-            )
-            role_changer = RoleChanger(
-                planner, admin, deployment, nodes, secret_env,
-                lambda: f"tcp://127.0.0.1:{free_port()}", lines.note,
-            )
+        role_changer = planner_for(
+            planner, args, router, tls_context, deployment, nodes, secret_env,
+            lambda: f"tcp://127.0.0.1:{free_port()}", lines.note,
+        )
         layout = Role.COLOCATED.value if args.colocated else f"{args.prefill} prefill + {args.decode} decode"
         lines.say(f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout})")
         secret = "the same --cluster-secret" if args.cluster_secret else (
             "a --cluster-secret this deployment shares (it made its own: give one to share)"
         )
         lines.say(f"nodes started elsewhere join with --router {router_address} and {secret}")
-        while not stopping:
+        def watch() -> str | None:
             problem = deployment.watch()
             if logs is not None:
                 logs.echo_new()
-            if problem is not None:
-                lines.warn(f"pdserve: {problem}; stopping")
-                return 1
-            if role_changer is not None:
-                role_changer.step()
-            time.sleep(0.2)
-        return 0
+            return problem
+
+        return supervise(watch, role_changer, stopping, lines)
     finally:
         drain = stopping[:1] == [signal.SIGTERM]
         if drain:

@@ -35,7 +35,6 @@ import argparse
 import json
 import secrets
 import signal
-import time
 from typing import Any
 
 from pdserve.commands.launcher import (
@@ -43,6 +42,8 @@ from pdserve.commands.launcher import (
     NodePlan,
     choose_kv_transport,
     node_settings,
+    planner_for,
+    supervise,
     wait_healthy,
 )
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
@@ -51,8 +52,6 @@ from pdserve.commands.planner_settings import PlannerSettings
 from pdserve.commands.ray_placement import node_bundle, nodes_across_hosts, threads_per_node
 from pdserve.commands.ray_process_actor import ray_node_address
 from pdserve.commands.ray_replicas import ROUTER, RayReplicas
-from pdserve.commands.role_changer import RoleChanger
-from pdserve.commands.router_admin import RouterAdmin, admin_url
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.router_tls import router_scheme, router_tls_context
 from pdserve.wire.child_command import python_module_command
@@ -192,15 +191,10 @@ def _serve(args: argparse.Namespace, served: Any, lines: OperatorLines) -> int:
         except RuntimeError as error:
             lines.warn(f"pdserve: {problems[0] if problems else error}")
             return 1
-        role_changer = None
-        if planner.enabled:
-            admin = RouterAdmin(
-                admin_url(args.host, args.port, router_scheme(router.config)),
-                router.config.cluster_auth.admin_token(), tls_context=tls_context,
-            )
-            role_changer = RoleChanger(
-                planner, admin, replicas, plans, secret_env, lambda: UNPLACED_ADDRESS, lines.note
-            )
+        role_changer = planner_for(
+            planner, args, router, tls_context, replicas, plans, secret_env,
+            lambda: UNPLACED_ADDRESS, lines.note,
+        )
         layout = Role.COLOCATED.value if args.colocated else (
             f"{args.prefill} prefill + {args.decode} decode"
         )
@@ -212,15 +206,7 @@ def _serve(args: argparse.Namespace, served: Any, lines: OperatorLines) -> int:
             f"pdserve is serving {model} as {', '.join(served.names)} at {url}/v1 ({layout} "
             f"on Ray: {where}; KV over {kv_transport or 'no transport'})"
         )
-        while not stopping:
-            problem = replicas.watch()
-            if problem is not None:
-                lines.warn(f"pdserve: {problem}; stopping")
-                return 1
-            if role_changer is not None:
-                role_changer.step()
-            time.sleep(0.2)
-        return 0
+        return supervise(replicas.watch, role_changer, stopping, lines)
     finally:
         drain = stopping[:1] == [signal.SIGTERM] and drain_timeout is not None
         if drain:
