@@ -42,8 +42,6 @@ from pdserve.commands.launcher import (
     NodePlan,
     choose_kv_transport,
     node_settings,
-    planner_for,
-    supervise,
     wait_healthy,
 )
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
@@ -54,6 +52,7 @@ from pdserve.commands.ray_process_actor import ray_node_address
 from pdserve.commands.ray_replicas import ROUTER, RayReplicas
 from pdserve.commands.router_plan import plan_router
 from pdserve.commands.router_tls import router_scheme, router_tls_context
+from pdserve.commands.serving_loop import planner_for, supervise
 from pdserve.wire.child_command import python_module_command
 from pdserve.wire.cluster_auth import SECRET_ENV
 from pdserve.wire.config_flags import given
