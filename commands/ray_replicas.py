@@ -185,10 +185,10 @@ class RayReplicas:
 
         router = self.replicas.get(ROUTER)
         if router is not None and drain_timeout_s is not None:
-            pending = router.actor.retire.remote(drain_timeout_s + ROUTER_SHUTDOWN_S)
+            router.retiring = router.actor.retire.remote(drain_timeout_s + ROUTER_SHUTDOWN_S)
             deadline = time.monotonic() + drain_timeout_s + ROUTER_SHUTDOWN_S + STOP_TIMEOUT_S
             while not interrupted() and time.monotonic() < deadline:
-                done, _ = ray.wait([pending], timeout=0.2)
+                done, _ = ray.wait([router.retiring], timeout=0.2)
                 if done:
                     break
         calls = [
