@@ -2,10 +2,13 @@
 with each policy.
 
 Thresholds forced (for `load`, any queued prompt is "prefill pressure" and any decode KV usage
-"low"; for `slo`, every request misses the TTFT target and meets the ITL one): the planner turns the least busy decode node into a prefill node while streams run on
-both decode nodes. Every request completes, the change is counted on the router and logged by
-the launcher, the deployment serves as 2 prefill + 1 decode afterwards, and no node holds a
-KV block once the load ends.
+"low"; for `slo`, every request misses the TTFT target and meets the ITL one): the planner turns
+the least busy decode node into a prefill node while streams run. The node it drains may hold
+streams or none at that moment (prefill pressure can come before the first prompt reaches a decode
+node); a drain that waits for streams in flight is tested in tests/faults/test_drain.py and
+tests/router/test_node_drain.py. Every request completes, the change is counted on the router and
+logged by the launcher, the deployment serves as 2 prefill + 1 decode afterwards, and no node holds
+a KV block once the load ends.
 """
 
 from __future__ import annotations
@@ -131,9 +134,6 @@ def test_the_planner_turns_a_decode_node_into_a_prefill_node_under_load_losing_n
             r"node (decode-\d\.\d+) \(decode\): draining, (\d+) requests held", said
         )
         assert drained is not None, said[-3000:]
-        if policy == "load":  # queue pressure means streams in flight on the node drained;
-            # the slo policy may decide from a window that ended between two waves of requests
-            assert int(drained[2]) >= 1
         changed = re.search(
             rf"planner: changed node {re.escape(drained[1])}: decode -> prefill \(reason "
             rf"{re.escape(reason)}.*\); now node (prefill-\d\.\d+), serving after",
