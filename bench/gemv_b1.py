@@ -130,6 +130,12 @@ def _pdserve_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
     return gemv_bf16(x, operand[1], operand[2])
 
 
+def _int8_weight(weight: torch.Tensor) -> object:
+    from pdserve.engine.layers.int8_weight import Int8Weight
+
+    return Int8Weight.quantize(weight, None)
+
+
 def kernels() -> list[Kernel]:
     found = [
         Kernel("F.linear", torch.float32, lambda w: w, lambda x, w: F.linear(x, w)),
@@ -149,6 +155,13 @@ def kernels() -> list[Kernel]:
     numba_call = _numba_gemv()
     if numba_call is not None:
         found.append(Kernel("numba, widened in the loop", torch.bfloat16, _numba_operand, numba_call))
+    from pdserve.kernels.cpu_int8_linear import int8_kernel_available
+
+    if int8_kernel_available():  # --quantization int8 (engine/layers/int8_weight.py)
+        found.append(
+            Kernel("pdserve int8 (x in fp32)", torch.int8, _int8_weight, lambda x, w: w(x),
+                   torch.float32)
+        )
     if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         found.append(
             Kernel("int8 weight-only (x in bf16)", torch.int8, _int8_rows, _int8_call, torch.bfloat16)
@@ -235,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a smoke run; writes nothing")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS / "gemv_b1.md",
+        help="the report (default bench/results/gemv_b1.md; one file per machine kind)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -255,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     text = build_report(args, machine, model_path.name, shapes, bandwidth, timings)
     print(text)
     if not args.quick:
-        (RESULTS / "gemv_b1.md").write_text(text)
+        args.output.write_text(text)
 
 
 if __name__ == "__main__":

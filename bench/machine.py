@@ -28,6 +28,28 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU flags that decide which compiled path runs (kernels/): vector width, FMA, bf16 and
+# int8 dot products, matrix tiles; ARM's NEON (asimd), SVE and bf16.
+VECTOR_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
+    "asimd", "sve", "bf16", "i8mm",
+)
+
+
+def cpu_vector_flags() -> str:
+    """This CPU's flags of VECTOR_FLAGS, from /proc/cpuinfo ("unknown" where it is absent)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    present = set(value.split())
+                    return " ".join(f for f in VECTOR_FLAGS if f in present) or "none of note"
+    except OSError:
+        pass
+    return "unknown"
+
+
 def machine_info() -> dict[str, str]:
     import transformers
 
@@ -35,6 +57,7 @@ def machine_info() -> dict[str, str]:
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
+        "cpu vector flags": cpu_vector_flags(),
         "cores": f"{cores} usable ({os.cpu_count()} online)",
         "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
         "transformers": transformers.__version__,

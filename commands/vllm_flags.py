@@ -64,8 +64,6 @@ REFUSED: dict[str, str] = {
     "--no-enable-auto-tool-choice": "tool calls cannot be switched off (a request without "
     "`tools` gets none)",
     "--no-enable-chunked-prefill": "prompts are always prefilled in chunks",
-    "--quantization": "weights run in their checkpoint's dtype; quantized checkpoints "
-    "(GPTQ, AWQ, GGUF, fp8) are not supported yet",
     "--hf-token": "set HF_TOKEN in the environment for `pdserve download` and Hub ids",
     "--config": "give the options on the command line (a YAML file of them is not read)",
     "--trust-request-chat-template": "a request's own `chat_template` is always refused",

@@ -38,6 +38,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("int8",)  # weight-only (engine/layers/int8_weight.py)
 DEFAULT_SWAP_SPACE = 4 << 30
 
 
@@ -63,6 +64,10 @@ class EngineConfig:
         vLLM's alias, stored as "fp8_e4m3"): one byte per element, stored as x / scale and read
         as x * scale with per-layer scales (engine/kv/kv_scales.py), so a block is half a 16-bit
         one and the same memory holds twice the blocks.
+    quantization: None (weights in `dtype`) or "int8": every linear's weight quantized to int8
+        when it loads, one scale per output row, multiplied by a CPU kernel in fp32
+        (engine/layers/int8_weight.py); a quarter of fp32's weight bytes for decode steps, with
+        the accuracy bound tests/engine/test_int8_weights.py states. CPU only.
     load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
         drawn from `seed`; the folder needs only config.json, and without tokenizer files the
         engine takes token ids only) (engine/runner/loader.py).
@@ -112,6 +117,11 @@ class EngineConfig:
         "auto", flag="--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
         help="KV cache storage (default auto: the model's dtype); fp8_e4m3 (alias fp8) keeps "
         "one byte per element with per-layer scales from the checkpoint (else 1.0)",
+    )
+    quantization: str | None = option(
+        None, flag="--quantization", aliases=("-q",), choices=QUANTIZATIONS,
+        help="int8: weight-only int8 linears (one scale per output row, quantized at load; "
+        "CPU only); default: none, weights in --dtype",
     )
     load_format: str = option(
         "auto", flag="--load-format", choices=LOAD_FORMATS,
@@ -238,6 +248,10 @@ class EngineConfig:
             )
         if self.kv_cache_dtype == "fp8":
             self.kv_cache_dtype = "fp8_e4m3"
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
@@ -315,4 +329,4 @@ class EngineConfig:
         from pdserve.engine.cpu.dtype_choice import choose_dtype
 
         requested = None if self.dtype == "auto" else getattr(torch, _DTYPES[self.dtype])
-        return choose_dtype(requested, device, config_dtype, cpu)
+        return choose_dtype(requested, device, config_dtype, cpu, self.quantization)

@@ -47,7 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.cpu.cpu_features import detect_cpu_features
+from pdserve.engine.layers.int8_weight import Int8Weight
 
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
@@ -106,7 +108,12 @@ class OneTokenWeight:
 
 
 class Linear(nn.Module):
-    """`dtype` None is torch's default dtype; the weight is left uninitialized (it is loaded)."""
+    """`dtype` None is torch's default dtype; the weight is left uninitialized (it is loaded).
+
+    Lifecycle: built, loaded (`load`), then packed once (`pack`) into one of three forms: a
+    oneDNN-prepacked weight (with a row-major bf16 copy for one-token steps where that kernel
+    runs), an int8 weight (`pack("int8")`: engine/layers/int8_weight.py), or the loaded weight
+    as it is for `F.linear`."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None = None
@@ -118,8 +125,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.packed_weight: torch.Tensor | None = None
         self.one_token: OneTokenWeight | None = None
+        self.int8: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x)
         if self.one_token is not None and x.dim() == 2 and x.shape[0] == 1:
             return self.one_token(x)
         if self.packed_weight is not None:
@@ -132,15 +142,25 @@ class Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes a forward streams: the (packed) weight and the bias (a one-token forward
         streams the row-major copy instead: as many bytes)."""
+        if self.int8 is not None:
+            return self.int8.num_bytes
         weight = self.packed_weight if self.packed_weight is not None else self.weight
         total = weight.numel() * weight.element_size()
         if self.bias is not None:
             total += self.bias.numel() * self.bias.element_size()
         return total
 
-    def pack(self) -> None:
-        """Converts the loaded weight for the device's fastest kernels (drops the original)."""
-        if self.packed_weight is None and onednn_packing_available(self.weight):
+    def pack(self, quantization: str | None = None) -> None:
+        """Converts the loaded weight for the device's fastest kernels, or quantizes it
+        (`quantization` "int8"), and drops the original."""
+        if self.weight is None:
+            return  # packed already
+        if quantization == "int8":
+            self.int8 = Int8Weight.quantize(self.weight.data, self.bias)
+            self.weight = None
+        elif quantization is not None:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        elif onednn_packing_available(self.weight):
             self.one_token = OneTokenWeight.for_weight(self.weight, self.bias)
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
             self.weight = None

@@ -176,12 +176,16 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         layout: ShardLayout | None = None,
         group: RankGroup | None = None,
+        quantization: str | None = None,
     ) -> None:
         """Every parameter is created in `dtype` (None: torch's default) on the current device,
         so a 16-bit model never exists in fp32; the rope tables stay fp32. `layout` and
-        `group`: this rank's shard and its tensor-parallel group (None: the whole model)."""
+        `group`: this rank's shard and its tensor-parallel group (None: the whole model).
+        `quantization` "int8": every linear, the head included, is quantized once its weight
+        is loaded (engine/layers/int8_weight.py); the embedding keeps `dtype`."""
         super().__init__()
         self.config = config
+        self.quantization = quantization
         self.layout = layout = layout or whole_model_layout(config)
         self.group = group = group or RankGroup.single()
         if layout.size != group.size:
@@ -304,11 +308,11 @@ class LlamaForCausalLM(nn.Module):
         self._pack_linears()
 
     def _pack_linears(self) -> None:
-        """Packs every linear, then moves the one-token copies (if any) into one buffer on huge
-        pages, each at a 64-byte boundary."""
+        """Packs (or quantizes) every linear, then moves the one-token copies (if any) into one
+        buffer on huge pages, each at a 64-byte boundary."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         for module in linears:
-            module.pack()
+            module.pack(self.quantization)
         copies = [module.one_token for module in linears if module.one_token is not None]
         if not copies:
             return

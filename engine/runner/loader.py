@@ -49,14 +49,20 @@ def build_model(
     device: torch.device | str,
     layout: ShardLayout | None = None,
     group: RankGroup | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """The model's modules with uninitialized weights in `dtype` on `device`; the "meta"
     device allocates nothing (shapes and parameter counts of any size of model). `layout`
-    and `group`: a tensor-parallel rank's shard (None: the whole model)."""
+    and `group`: a tensor-parallel rank's shard (None: the whole model). `quantization`: what
+    the linears become once loaded (None: `dtype`, packed for the device)."""
     with torch.device(device):
+        architecture = model_class(config)
         if layout is None:
-            return model_class(config)(config, max_positions, dtype=dtype)
-        return model_class(config)(config, max_positions, dtype=dtype, layout=layout, group=group)
+            return architecture(config, max_positions, dtype=dtype, quantization=quantization)
+        return architecture(
+            config, max_positions, dtype=dtype, layout=layout, group=group,
+            quantization=quantization,
+        )
 
 
 def load_model(
@@ -68,13 +74,14 @@ def load_model(
     seed: int = 0,
     layout: ShardLayout | None = None,
     group: RankGroup | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Under tensor parallelism (`layout`, `group`) each rank reads every tensor and keeps its
     part; dummy weights are then drawn per rank in its shard's shapes (random either way, but
     not the one-rank model's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    model = build_model(config, max_positions, dtype, device, layout, group)
+    model = build_model(config, max_positions, dtype, device, layout, group, quantization)
     if load_format == "dummy":
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)

@@ -31,6 +31,7 @@ from pdserve.engine.runner.forward_paths import (
     OneTokenDecode,
     choose,
 )
+from pdserve.engine.runner.int8_one_token_step import Int8OneTokenStep
 from pdserve.engine.runner.loader import load_model
 from pdserve.engine.runner.memory_budget import kv_cache_budget
 from pdserve.engine.runner.memory_profile import (
@@ -85,6 +86,11 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.device = config.resolve_device()
+        if config.quantization is not None and self.device.type != "cpu":
+            raise ValueError(
+                f"quantization {config.quantization!r} runs on the CPU only, not on "
+                f"{self.device}"
+            )
         size = group.size if group is not None else config.tensor_parallel_size
         self.layout = shard_layout(model_config, group.rank if group is not None else 0, size)
         self.workers: RankWorkers | None = None
@@ -103,7 +109,13 @@ class ModelRunner:
         self.model = load_model(
             model_config, max_model_len, self.dtype, self.device, config.load_format, config.seed,
             self.layout if sharded else None, self.group if sharded else None,
+            config.quantization,
         )
+        if config.quantization is not None:
+            logger.info(
+                "linear weights quantized to %s: %.1f MiB a decode step reads",
+                config.quantization, self.model.decode_weight_bytes() / 2**20,
+            )
         copies = self.model.one_token_copy_bytes()
         if copies:
             logger.info(
@@ -142,12 +154,15 @@ class ModelRunner:
         )
         self.attention = self._attention_backend(self.kv_cache)
         self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
-        self.one_token_step = self.decode_batch_step = None
+        self.one_token_step: OneTokenStep | Int8OneTokenStep | None = None
+        self.decode_batch_step = None
         # Where the torch backend decodes with its compiled CPU kernel, the compiled decode
         # paths run that kernel too (another backend, asked for by name, keeps every step).
         if getattr(self.attention, "cpu_decode", None) is not None:
             scale, window = self.attention.scale, self.attention.sliding_window
-            self.one_token_step = OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
+            self.one_token_step = OneTokenStep.for_model(
+                self.model, self.kv_cache, scale, window
+            ) or Int8OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
             self.decode_batch_step = DecodeBatchStep.for_model(
                 self.model, self.kv_cache, scale, window
             )

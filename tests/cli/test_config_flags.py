@@ -35,6 +35,7 @@ from tests.tls_certificate import self_signed_certificate
 ENGINE_CASES = {
     "dtype": (["--dtype", "float16"], "float16"),
     "kv_cache_dtype": (["--kv-cache-dtype", "fp8"], "fp8_e4m3"),  # vLLM's alias, normalized
+    "quantization": (["-q", "int8"], "int8"),  # vLLM's short spelling
     "load_format": (["--load-format", "dummy"], "dummy"),
     "block_size": (["--block-size", "32"], 32),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "300"], 300),

@@ -1,6 +1,7 @@
 """What `dtype="auto"` runs in, decided from features a test injects (not this machine's): bf16
 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, fp32 on other CPUs; an explicit dtype wins
-everywhere. The CPU's features come from torch or, without its helpers, /proc/cpuinfo."""
+everywhere; fp32 on every CPU with int8 weights. The CPU's features come from torch or, without
+its helpers, /proc/cpuinfo."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ def test_auto_on_cuda_keeps_the_configs_16_bit_dtype_whatever_the_host_cpu(
 ):
     choice = EngineConfig(device="cpu").resolve_dtype(torch.device("cuda:0"), config_dtype, cpu)
     assert choice.dtype == dtype
+
+
+@pytest.mark.parametrize("cpu", [AMX, AVX512_BF16, NO_BF16], ids=["amx", "avx512-bf16", "zen3"])
+def test_auto_with_int8_weights_on_the_cpu_is_fp32_and_an_explicit_dtype_still_wins(cpu):
+    choice = EngineConfig(quantization="int8").resolve_dtype(CPU, torch.bfloat16, cpu)
+    assert choice.dtype == torch.float32
+    assert str(choice) == "float32: auto on the CPU with int8 weights"
+    explicit = EngineConfig(quantization="int8", dtype="bfloat16").resolve_dtype(CPU, None, cpu)
+    assert explicit.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

@@ -41,18 +41,14 @@ from pdserve.engine.kv.block_moves import BlockStaging, copy_blocks, gather_bloc
 from pdserve.engine.kv.kv_scales import KVScales, is_kv_scale_name, quantize
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.testing.tiny_models import save_tiny_model, tiny_configs
-from tests.engine.prompt_scoring import prompt_logprobs
+from tests.engine.prompt_scoring import greedy_logprob_differences
 from tests.engine.test_forked_choices import choices_of, lone_tokens, prompt_of, run
 from tests.engine.test_greedy_parity import make_prompts
 from tests.engine.test_preemption_modes import check_everything_returned, pressure_prompts
 
 FP8 = torch.float8_e4m3fn
-NEW_TOKENS = 32
 TINY_LOGPROB_BOUND = 2.5
 DEFAULT_MODEL_LOGPROB_BOUND = 0.75
-GREEDY_WITH_LOGPROBS = SamplingParams(
-    temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=5
-)
 DEFAULT_MODEL_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -153,40 +149,10 @@ def test_an_engine_takes_its_checkpoints_scales_and_stores_x_over_scale(tiny_lla
         ), "the scale must change what is stored"
 
 
-def fp8_logprob_differences(model_dir: str, prompts) -> dict[str, float]:
-    """The largest |logprob difference| of the fp32 cache's greedy tokens under the fp8 cache:
-    scored as prompts (whole, and 32 tokens at a time) and at decode steps while the fp8
-    tokens follow the fp32 ones."""
-    reference = LLM(model_dir, dtype="float32").generate(prompts, GREEDY_WITH_LOGPROBS)
-    sequences = [prompt + output.token_ids for prompt, output in zip(prompts, reference)]
-    want = prompt_logprobs(model_dir, sequences)
-    worst = {}
-    for name, config in (("whole", {}), ("chunked", {"max_num_batched_tokens": 32})):
-        got = prompt_logprobs(model_dir, sequences, kv_cache_dtype="fp8", **config)
-        worst[name] = max(
-            float((g[len(p) - 1 :] - w[len(p) - 1 :]).abs().max())
-            for p, g, w in zip(prompts, got, want)
-        )
-    fp8 = LLM(model_dir, dtype="float32", kv_cache_dtype="fp8")
-    worst["decode"] = 0.0
-    for output, expected in zip(fp8.generate(prompts, GREEDY_WITH_LOGPROBS), reference):
-        diverged = next(
-            (i for i, (a, b) in enumerate(zip(output.token_ids, expected.token_ids)) if a != b),
-            None,
-        )
-        for i in range(NEW_TOKENS if diverged is None else diverged + 1):
-            scored = dict(output.logprobs[i].top)
-            assert expected.token_ids[i] in scored, f"the fp32 token left fp8's top 5 at step {i}"
-            difference = abs(scored[expected.token_ids[i]] - expected.logprobs[i].logprob)
-            worst["decode"] = max(worst["decode"], difference)
-    assert_all_free(fp8)
-    return worst
-
-
 @pytest.mark.parametrize("family", sorted(tiny_configs()))
 def test_fp8_logprobs_of_the_fp32_greedy_tokens_stay_within_the_bound(family, tmp_path):
     model_dir = str(save_tiny_model(family, tmp_path))
-    worst = fp8_logprob_differences(model_dir, make_prompts())
+    worst = greedy_logprob_differences(model_dir, make_prompts(), kv_cache_dtype="fp8")
     assert max(worst.values()) <= TINY_LOGPROB_BOUND, worst
     assert worst["whole"] > 1e-3, "the fp8 cache changed nothing: is it quantizing?"
     assert worst["chunked"] == pytest.approx(worst["whole"], abs=1e-4), worst
@@ -197,7 +163,7 @@ def test_fp8_logprobs_on_the_default_model_stay_within_the_bound(default_model_d
     model_dir = str(default_model_dir)
     tokenizer = LLM(model_dir, dtype="float32", num_kv_blocks=1).tokenizer
     prompts = [tokenizer.encode(text) for text in DEFAULT_MODEL_PROMPTS]
-    worst = fp8_logprob_differences(model_dir, prompts)
+    worst = greedy_logprob_differences(model_dir, prompts, kv_cache_dtype="fp8")
     assert max(worst.values()) <= DEFAULT_MODEL_LOGPROB_BOUND, worst
     assert worst["whole"] > 1e-3, worst
 

@@ -1,0 +1,127 @@
+"""A step that decodes one sequence by one token with int8 weights (`--quantization int8`) and
+fp32 activations, through every decoder layer in one compiled call
+(kernels/cpu_int8_decode_step.py) instead of torch's ops one by one. It runs on any CPU numba
+compiles for: the int8 counterpart of engine/runner/one_token_step.py (bf16 on AVX512-BF16).
+
+`Int8OneTokenStep.for_model` returns None unless every part it replaces has a compiled kernel
+here: an fp32 Llama-family model on the CPU on one rank, every decoder linear int8
+(engine/layers/int8_weight.py), no q/k norms (Qwen3 keeps the torch path), an fp32 KV cache
+read by the compiled decode attention (head dim a multiple of 16). The runner takes it for a
+step of exactly one sequence decoding one token without prompt logprobs; batches, prefills and
+scoring go through the torch forward, which writes and reads the same KV cache with the same
+int8 weights. The embedding row, the final norm and the LM head stay the model's modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.layers.linear import Linear
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.kernels.numba_threads import run_parallel
+
+
+def int8_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
+    """Whether the compiled int8 step covers this model and cache (see the module's docstring)."""
+    if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
+        return False
+    spec = kv_cache.spec
+    if kv_cache.buffer.device.type != "cpu" or spec.dtype != torch.float32:
+        return False
+    if model.embed_tokens.weight.dtype != torch.float32 or model.config.qk_norm:
+        return False
+    linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
+    if not linears or not all(linear.int8 is not None for linear in linears):
+        return False
+    from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
+    from pdserve.kernels.cpu_int8_decode_step import numba
+
+    return numba is not None and cpu_decode_attention_available(spec.dtype, spec.head_dim)
+
+
+class Int8OneTokenStep:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: KVCache, scale: float, sliding_window: int | None
+    ) -> None:
+        from numba.typed import List
+
+        from pdserve.kernels import cpu_int8_decode_step
+        from pdserve.kernels.cpu_attention_chunk import lane_order
+        from pdserve.kernels.cpu_decode_attention import heads_per_call
+
+        self.model = model
+        layers = model.layers
+        config = model.config
+        num_heads, num_kv_heads = model.layout.num_heads, model.layout.num_kv_heads
+        head_dim = config.head_dim
+        self._kernel = cpu_int8_decode_step.compiled_for(
+            num_heads, num_kv_heads, head_dim, heads_per_call(num_heads // num_kv_heads, head_dim),
+            math.gcd(kv_cache.spec.block_size, 16),
+        )
+        self._order = lane_order(head_dim, words=False)
+        self._eps = np.float32(config.rms_norm_eps)
+        self._scale = np.float32(scale)
+        self._window = sliding_window or 0
+        self._input_norms = np.stack([l.input_layernorm.weight.data.numpy() for l in layers])
+        self._post_norms = np.stack([l.post_attention_layernorm.weight.data.numpy() for l in layers])
+
+        def weights(linears: list[Linear]) -> tuple[List, List, List]:
+            no_bias = np.zeros(0, np.float32)
+            return (
+                List([linear.int8.quantized.numpy() for linear in linears]),
+                List([linear.int8.scale.numpy() for linear in linears]),
+                List([
+                    no_bias if linear.int8.bias is None else linear.int8.bias.numpy()
+                    for linear in linears
+                ]),
+            )
+
+        self._qkv = weights([l.self_attn.qkv_proj for l in layers])
+        self._o = weights([l.self_attn.o_proj for l in layers])
+        self._gate_up = weights([l.mlp.gate_up_proj for l in layers])
+        self._down = weights([l.mlp.down_proj for l in layers])
+        self._key_caches = List([kv_cache.key_cache(i).numpy() for i in range(len(layers))])
+        self._value_caches = List([kv_cache.value_cache(i).numpy() for i in range(len(layers))])
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        scale: float,
+        sliding_window: int | None,
+    ) -> Int8OneTokenStep | None:
+        """The compiled step for this model and cache (compiled now, or loaded from numba's
+        cache); None where it cannot run (see the module's docstring)."""
+        if not int8_decode_fits(model, kv_cache):
+            return None
+        step = cls(model, kv_cache, scale, sliding_window)
+        step.compile()
+        return step
+
+    def compile(self) -> None:
+        """One step on a token at position 0 in block 0 (its KV is overwritten when block 0
+        is first used)."""
+        self(torch.zeros(1, dtype=torch.long), [0], 1)
+
+    def __call__(
+        self, input_ids: torch.Tensor, block_table: list[int], seq_len: int
+    ) -> torch.Tensor:
+        """Logits [1, vocab] of the token `input_ids` ([1]) at position seq_len - 1 of the
+        sequence whose blocks `block_table` lists (the token's slot included); writes its keys
+        and values into the cache."""
+        model = self.model
+        hidden = model.embed_tokens(input_ids)  # [1, hidden] fp32, a fresh tensor
+        cos, signed_sin = model.rotary.cos_sin(torch.tensor([seq_len - 1]), hidden.dtype)
+        run_parallel(
+            self._kernel, hidden.numpy(), self._input_norms, self._post_norms, self._eps,
+            *self._qkv, *self._o, *self._gate_up, *self._down, self._key_caches,
+            self._value_caches, cos[0, 0].numpy(), signed_sin[0, 0].numpy(),
+            np.array([block_table], dtype=np.int32), np.array([seq_len], dtype=np.int32),
+            self._window, self._scale, self._order,
+        )
+        return model.lm_head(model.norm(hidden))

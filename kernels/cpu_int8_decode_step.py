@@ -1,0 +1,169 @@
+"""One token through every decoder layer of a Llama-family model with int8 weights
+(`--quantization int8`) and fp32 activations on the CPU, as one compiled call: the batch-1
+decode step without Python between its ops, on any CPU numba compiles for (AVX2, AVX-512,
+NEON).
+
+Why. With int8 weights a batch-1 step of SmolLM2-135M reads 134 MB, ~5 ms at the read bandwidth
+of a 2-core server, and its linears (kernels/cpu_int8_linear.py) take about that; through torch
+the step took ~19 ms on a 2-core AMD EPYC, most of it the ~40 small torch ops per layer and
+their Python. Here those ops are loops over a few hundred numbers inside one numba function,
+which calls the same int8 linear kernel and the same paged decode attention kernel
+(kernels/cpu_decode_attention.py) as the torch path.
+
+What it computes, per layer, in fp32 (the torch forward's ops, engine/models/llama.py):
+  normed = rms_norm(hidden)             x * rsqrt(mean(x^2) + eps) * weight
+  q, k, v = qkv_proj(normed)            the int8 kernel (per-row scales, bias if any)
+  q, k = rope(q), rope(k)               x * cos + roll(x, half) * signed_sin
+  cache[slot] = k, v                    the token's slot of its last block
+  attention = decode_attention(q)       q * scale, the paged kernel
+  hidden = hidden + o_proj(attention)
+  normed = rms_norm(hidden)
+  gate, up = gate_up_proj(normed)
+  hidden = hidden + down_proj(silu(gate) * up)
+The results differ from the torch path's only in the order of fp32 sums (the norm's mean of
+squares) and in exp's last bit (silu): ~1e-6 relative, far inside int8's own error
+(tests/engine/test_int8_weights.py).
+
+The embedding, final norm and LM head stay torch modules (engine/runner/int8_one_token_step.py).
+Compiled on first use for each (query heads, KV heads, head dim, query heads per attention call,
+tokens per chunk) and cached on disk like the other numba kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+try:
+    import numba
+    from numba import njit
+
+    from pdserve.kernels.cpu_decode_attention import decode_kernel
+    from pdserve.kernels.cpu_int8_linear import one_token_kernel
+except ImportError:  # engine/runner/int8_one_token_step.py reports the step unavailable
+    numba = None
+
+if numba is not None:
+
+    @njit(inline="always")
+    def _rms_norm(x, weight, eps, out):
+        total = np.float32(0.0)
+        for i in range(x.shape[0]):
+            total += x[i] * x[i]
+        inverse = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(x.shape[0]) + eps))
+        for i in range(x.shape[0]):
+            out[i] = x[i] * inverse * weight[i]
+
+    def _decode_layers(
+        hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases, o_weights,
+        o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases, down_weights,
+        down_scales, down_biases, key_caches, value_caches, cos, signed_sin, block_table,
+        seq_len, window, scale, order, num_heads, num_kv_heads, head_dim, heads_per_call,
+        tokens_per_chunk,
+    ):
+        """hidden [1, hidden_size] fp32: the token's embedding in, the last layer's output out.
+        Per layer l: input_norms[l] / post_norms[l] [hidden_size] fp32; the typed lists hold
+        the layer's int8 weights ([out, in]), fp32 scales ([out]) and fp32 biases (empty for
+        none); key_caches[l] / value_caches[l] [blocks, kv_heads, block_size, head_dim] fp32.
+        cos / signed_sin [head_dim] fp32 rows at the position; block_table [1, n] int32,
+        seq_len [1] int32 (the token is at seq_len - 1, its slot already allocated); window 0
+        for none; order the attention's lane order. The last five are constants of the compiled
+        code (numba.literally)."""
+        numba.literally(num_heads)
+        numba.literally(num_kv_heads)
+        numba.literally(head_dim)
+        numba.literally(heads_per_call)
+        numba.literally(tokens_per_chunk)
+        hidden_size = hidden.shape[1]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        half = head_dim // 2
+        block_size = key_caches[0].shape[2]
+        position = seq_len[0] - 1
+        block, slot = block_table[0, position // block_size], position % block_size
+        normed = np.empty((1, hidden_size), np.float32)
+        projected = np.empty((1, hidden_size), np.float32)
+        qkv = np.empty((1, q_size + 2 * kv_size), np.float32)
+        rotated = np.empty(head_dim, np.float32)
+        query = np.empty((1, num_heads, head_dim), np.float32)
+        attended = np.empty((1, num_heads, head_dim), np.float32)
+        for layer in range(len(qkv_weights)):
+            _rms_norm(hidden[0], input_norms[layer], eps, normed[0])
+            one_token_kernel(qkv_weights[layer], qkv_scales[layer], normed, qkv_biases[layer], qkv)
+            for head in range(num_heads + num_kv_heads):  # rope on q and k
+                start = head * head_dim
+                for d in range(head_dim):
+                    rotated[d] = qkv[0, start + (d + half) % head_dim] * signed_sin[d]
+                for d in range(head_dim):
+                    qkv[0, start + d] = qkv[0, start + d] * cos[d] + rotated[d]
+            keys, values = key_caches[layer], value_caches[layer]
+            for kv_head in range(num_kv_heads):
+                for d in range(head_dim):
+                    keys[block, kv_head, slot, d] = qkv[0, q_size + kv_head * head_dim + d]
+                    values[block, kv_head, slot, d] = qkv[
+                        0, q_size + kv_size + kv_head * head_dim + d
+                    ]
+            for head in range(num_heads):
+                for d in range(head_dim):
+                    query[0, head, d] = qkv[0, head * head_dim + d] * scale
+            decode_kernel(
+                query, keys, values, block_table, seq_len, window, np.float32(1.0),
+                np.float32(1.0), order, attended, heads_per_call, head_dim, tokens_per_chunk,
+            )
+            one_token_kernel(
+                o_weights[layer], o_scales[layer], attended.reshape(1, q_size), o_biases[layer],
+                projected,
+            )
+            for i in range(hidden_size):
+                hidden[0, i] += projected[0, i]
+            _rms_norm(hidden[0], post_norms[layer], eps, normed[0])
+            gate_up = np.empty((1, gate_up_weights[layer].shape[0]), np.float32)
+            one_token_kernel(
+                gate_up_weights[layer], gate_up_scales[layer], normed, gate_up_biases[layer],
+                gate_up,
+            )
+            intermediate = gate_up.shape[1] // 2
+            activated = np.empty((1, intermediate), np.float32)
+            for i in range(intermediate):
+                gate = gate_up[0, i]
+                activated[0, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[
+                    0, intermediate + i
+                ]
+            one_token_kernel(
+                down_weights[layer], down_scales[layer], activated, down_biases[layer], projected
+            )
+            for i in range(hidden_size):
+                hidden[0, i] += projected[0, i]
+
+    try:
+        decode_layers_kernel = njit(cache=True)(_decode_layers)
+    except RuntimeError:  # no writable cache directory: compiled in every process
+        decode_layers_kernel = njit(_decode_layers)
+
+    @functools.cache
+    def compiled_for(
+        num_heads: int, num_kv_heads: int, head_dim: int, heads_per_call: int,
+        tokens_per_chunk: int,
+    ):
+        """`decode_layers_kernel` for these constants, callable from Python at a jitted call's
+        cost (a literal argument passed from Python is typed twice on every call)."""
+
+        def decode(
+            hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases,
+            o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
+            down_weights, down_scales, down_biases, key_caches, value_caches, cos, signed_sin,
+            block_table, seq_len, window, scale, order,
+        ):
+            decode_layers_kernel(
+                hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases,
+                o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
+                down_weights, down_scales, down_biases, key_caches, value_caches, cos,
+                signed_sin, block_table, seq_len, window, scale, order, num_heads,
+                num_kv_heads, head_dim, heads_per_call, tokens_per_chunk,
+            )
+
+        try:
+            return njit(cache=True)(decode)
+        except RuntimeError:
+            return njit(decode)
