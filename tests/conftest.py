@@ -53,6 +53,7 @@ SLOW_MODULES = (
     "engine/test_fp8_kv_cache.py",
     "engine/test_greedy_parity.py",
     "engine/test_hostile_requests.py",
+    "engine/test_int8_decode_step.py",
     "engine/test_int8_weights.py",
     "engine/test_penalties.py",
     "engine/test_preemption_modes.py",
@@ -65,6 +66,7 @@ SLOW_MODULES = (
     "kvtransfer/test_fp8_transfer.py",
     "nodes/test_disaggregated_nodes.py",
     "nodes/test_fp8_disaggregated_nodes.py",
+    "nodes/test_int8_disaggregated_nodes.py",
     "nodes/test_node_heartbeat.py",
     "planner/test_profile_command.py",
 )

@@ -29,10 +29,11 @@ REQUEST_END_SCOPE_KEY = "pdserve.request_end"
 
 
 def error_headers(error: APIError) -> dict[str, str]:
-    """`WWW-Authenticate` on a 401 and `Retry-After` on a 429."""
+    """`WWW-Authenticate` on a 401 and `Retry-After` on a 429 and a 503 (no node can serve yet,
+    or the server is draining)."""
     if error.status == 401:
         return {"WWW-Authenticate": "Bearer"}
-    if error.status == 429:
+    if error.status in (429, 503):
         return {"Retry-After": str(RETRY_AFTER_S)}
     return {}
 

@@ -89,14 +89,25 @@ def _model_card(state: RouterState) -> dict[str, Any]:
     return card
 
 
+def _check_serving(state: RouterState) -> None:
+    """The model routes answer once a node can serve, as the completion routes do: a client
+    that waits for `/v1/models` (as for a server that opens its port only when ready) is not
+    then answered 503 by its first completion. Before, a 503 with `Retry-After`."""
+    if not state.client.any_alive():
+        raise APIError(503, "No inference node is available yet; try again later.")
+
+
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(request.app.state.router)]}
+    state: RouterState = request.app.state.router
+    _check_serving(state)
+    return {"object": "list", "data": [_model_card(state)]}
 
 
 async def model(request: Request, model_id: str) -> dict[str, Any]:
     """`GET /v1/models/{model_id}` (the id may hold slashes: a model path)."""
     state: RouterState = request.app.state.router
     check_model(model_id, state.config.model_names)
+    _check_serving(state)
     return _model_card(state)
 
 

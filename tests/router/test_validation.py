@@ -81,8 +81,17 @@ def test_valid_requests_without_node_get_503(client):
     assert_error(r, 503)
 
 
-def test_models_lists_served_name_and_no_path_of_the_host(app, client):
-    data = client.get("/v1/models").json()
+def test_the_model_routes_say_503_with_retry_after_until_a_node_can_serve(client):
+    for route in ("/v1/models", f"/v1/models/{MODEL}"):
+        answer = client.get(route)
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["type"] == "service_unavailable_error"
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+
+
+def test_models_lists_served_name_and_no_path_of_the_host(app, live):
+    data = live.get("/v1/models").json()
     assert data["object"] == "list" and data["data"][0]["id"] == MODEL
     assert data["data"][0]["root"] == MODEL
     assert str(app.state.router.config.model_path) not in json.dumps(data)
@@ -285,7 +294,7 @@ def test_the_api_key_is_checked_before_the_overload_gate(keyed_app):
 def test_right_api_key_passes_and_health_needs_none(keyed_app):
     client = TestClient(keyed_app)
     r = client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"})
-    assert r.status_code == 200
+    assert r.status_code == 503  # the key passes (no 401); no node can serve yet
     assert client.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
     assert client.get("/health").status_code == 503  # no node, but no 401 either
 

@@ -1,0 +1,68 @@
+"""Disaggregated serving with int8 weights on both nodes (`quantization="int8"`): a prefill node
+(chunked prefill, 32 tokens a step) and a decode node in one process, KV moved by the in-process
+transport, give the tokens of one colocated int8 engine, token for token, and every block of
+both nodes returns."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from pdserve.decode_node.node import DecodeNode
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.prefill_node.node import PrefillNode
+from pdserve.wire.messages import RequestFailed
+from tests.nodes.test_disaggregated_nodes import (
+    assert_all_blocks_free,
+    run_until_idle,
+    tokens_by_request,
+)
+from tests.nodes.test_fp8_disaggregated_nodes import submit
+from tests.nodes.unlooped import capture_sends, unlooped_config
+
+
+@pytest.fixture
+def int8_nodes(tiny_llama_dir):
+    tag = uuid.uuid4().hex[:10]
+
+    def config(role: str):
+        return unlooped_config(
+            f"{role}{tag}", kv_transport="inprocess",
+            kv_listen_address=f"ipc:///tmp/pdserve-test-{tag}",
+        )
+
+    def engine(**more) -> EngineConfig:
+        return EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", quantization="int8", num_kv_blocks=48,
+            **more,
+        )
+
+    decode = DecodeNode(engine_config=engine(), config=config("d"))
+    prefill = PrefillNode(engine_config=engine(max_num_batched_tokens=32), config=config("p"))
+    capture_sends(decode)
+    capture_sends(prefill)
+    try:
+        yield decode, prefill
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_int8_disaggregated_tokens_equal_colocated_int8_tokens(int8_nodes, tiny_llama_dir):
+    decode, prefill = int8_nodes
+    prompts = [
+        [(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 33, 70, 130))
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    colocated = LLM(str(tiny_llama_dir), dtype="float32", quantization="int8")
+    expected = [o.token_ids for o in colocated.generate(prompts, greedy)]
+
+    submit(decode, prompts, 16)
+    to_router = run_until_idle(decode, prefill)
+
+    assert not [m for m in to_router if isinstance(m, RequestFailed)]
+    tokens = tokens_by_request(to_router)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    assert_all_blocks_free(decode, prefill)
