@@ -60,8 +60,8 @@ if numba is not None:
         hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases, o_weights,
         o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases, down_weights,
         down_scales, down_biases, key_caches, value_caches, cos, signed_sin, block_table,
-        seq_len, window, scale, order, num_heads, num_kv_heads, head_dim, heads_per_call,
-        tokens_per_chunk,
+        seq_len, window, scale, order, threads, num_heads, num_kv_heads, head_dim,
+        heads_per_call, tokens_per_chunk,
     ):
         """hidden [1, hidden_size] fp32: the token's embedding in, the last layer's output out.
         Per layer l: input_norms[l] / post_norms[l] [hidden_size] fp32; the typed lists hold
@@ -69,7 +69,8 @@ if numba is not None:
         none); key_caches[l] / value_caches[l] [blocks, kv_heads, block_size, head_dim] fp32.
         cos / signed_sin [head_dim] fp32 rows at the position; block_table [1, n] int32,
         seq_len [1] int32 (the token is at seq_len - 1, its slot already allocated); window 0
-        for none; order the attention's lane order. The last five are constants of the compiled
+        for none; order the attention's lane order; threads the linears' chunks of rows (one per
+        thread). The last five are constants of the compiled
         code (numba.literally)."""
         numba.literally(num_heads)
         numba.literally(num_kv_heads)
@@ -90,7 +91,9 @@ if numba is not None:
         attended = np.empty((1, num_heads, head_dim), np.float32)
         for layer in range(len(qkv_weights)):
             _rms_norm(hidden[0], input_norms[layer], eps, normed[0])
-            one_token_kernel(qkv_weights[layer], qkv_scales[layer], normed, qkv_biases[layer], qkv)
+            one_token_kernel(
+                qkv_weights[layer], qkv_scales[layer], normed, qkv_biases[layer], qkv, threads
+            )
             for head in range(num_heads + num_kv_heads):  # rope on q and k
                 start = head * head_dim
                 for d in range(head_dim):
@@ -113,7 +116,7 @@ if numba is not None:
             )
             one_token_kernel(
                 o_weights[layer], o_scales[layer], attended.reshape(1, q_size), o_biases[layer],
-                projected,
+                projected, threads,
             )
             for i in range(hidden_size):
                 hidden[0, i] += projected[0, i]
@@ -121,7 +124,7 @@ if numba is not None:
             gate_up = np.empty((1, gate_up_weights[layer].shape[0]), np.float32)
             one_token_kernel(
                 gate_up_weights[layer], gate_up_scales[layer], normed, gate_up_biases[layer],
-                gate_up,
+                gate_up, threads,
             )
             intermediate = gate_up.shape[1] // 2
             activated = np.empty((1, intermediate), np.float32)
@@ -131,7 +134,8 @@ if numba is not None:
                     0, intermediate + i
                 ]
             one_token_kernel(
-                down_weights[layer], down_scales[layer], activated, down_biases[layer], projected
+                down_weights[layer], down_scales[layer], activated, down_biases[layer], projected,
+                threads,
             )
             for i in range(hidden_size):
                 hidden[0, i] += projected[0, i]
@@ -153,13 +157,13 @@ if numba is not None:
             hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases,
             o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
             down_weights, down_scales, down_biases, key_caches, value_caches, cos, signed_sin,
-            block_table, seq_len, window, scale, order,
+            block_table, seq_len, window, scale, order, threads,
         ):
             decode_layers_kernel(
                 hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases,
                 o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
                 down_weights, down_scales, down_biases, key_caches, value_caches, cos,
-                signed_sin, block_table, seq_len, window, scale, order, num_heads,
+                signed_sin, block_table, seq_len, window, scale, order, threads, num_heads,
                 num_kv_heads, head_dim, heads_per_call, tokens_per_chunk,
             )
 

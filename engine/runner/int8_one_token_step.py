@@ -122,6 +122,6 @@ class Int8OneTokenStep:
             *self._qkv, *self._o, *self._gate_up, *self._down, self._key_caches,
             self._value_caches, cos[0, 0].numpy(), signed_sin[0, 0].numpy(),
             np.array([block_table], dtype=np.int32), np.array([seq_len], dtype=np.int32),
-            self._window, self._scale, self._order,
+            self._window, self._scale, self._order, torch.get_num_threads(),
         )
         return model.lm_head(model.norm(hidden))

@@ -102,10 +102,7 @@ def test_the_kernels_use_the_vectors_numba_compiles_for_and_no_wider():
         weight = np.ones((8, 64), np.int8)
         scale, x = np.ones(8, np.float32), np.ones((2, 64), np.float32)
         arguments = (weight, scale, x, np.zeros(0, np.float32), np.empty((2, 8), np.float32))
-        if kernel is cpu_int8_linear.many_tokens_kernel:
-            fresh(*arguments, 2)
-        else:
-            fresh(*arguments)
+        fresh(*arguments, 2)
         assembly = "".join(fresh.inspect_asm().values())
         assert ("%zmm" in assembly) <= ("avx512f" in targeted)
         assert ("%ymm" in assembly) == ("avx2" in targeted or "avx512f" in targeted)
