@@ -22,12 +22,12 @@ stays in the core's first-level cache) and multiplies two tokens' rows of x by i
 eight running sums, which fit AVX2's sixteen registers with the loads. The weight is still
 read from memory once per call, whatever the number of tokens.
 
-Measured against oneDNN's prepacked fp32 matmul (the engine's exact path, engine/layers/linear.py)
-at SmolLM2-135M's shapes on a 2-core AMD EPYC (Zen 4), microseconds per call: one token 1.5-1.8x
-faster on the decoder's matrices and 5.2x on the 576 -> 49152 head (which alone is 113 MB in
-fp32); 2 to 16 tokens 0.85-1.4x; 64 tokens 0.85-0.95x (there oneDNN's register-blocked kernel
-is compute-bound and this one nearly so). `python -m pdserve.bench.int8_linear` measures it
-side by side on the machine at hand.
+Measured on a 2-core AMD EPYC (Zen 4): one round of the default model's 121 matrices at one
+token, weights from memory, 7.7 ms against 23.2 ms for oneDNN's prepacked fp32 matmul (the
+engine's exact path, engine/layers/linear.py) and 12.8 ms for its bf16 one, side by side in
+`python -m pdserve.bench.gemv_b1` (bench/results/gemv_b1_epyc_zen4.md). At the default model's
+shapes, 2 to 16 tokens ran at 0.85-1.4x oneDNN fp32's speed and 64 tokens at 0.85-0.95x, where
+oneDNN's register-blocked kernel is bound by computing and this one nearly so (one ad hoc run).
 """
 
 from __future__ import annotations
