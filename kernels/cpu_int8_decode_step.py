@@ -89,6 +89,9 @@ if numba is not None:
         rotated = np.empty(head_dim, np.float32)
         query = np.empty((1, num_heads, head_dim), np.float32)
         attended = np.empty((1, num_heads, head_dim), np.float32)
+        gate_up = np.empty((1, gate_up_weights[0].shape[0]), np.float32)  # every layer's size
+        intermediate = gate_up.shape[1] // 2
+        activated = np.empty((1, intermediate), np.float32)
         for layer in range(len(qkv_weights)):
             _rms_norm(hidden[0], input_norms[layer], eps, normed[0])
             one_token_kernel(
@@ -121,13 +124,10 @@ if numba is not None:
             for i in range(hidden_size):
                 hidden[0, i] += projected[0, i]
             _rms_norm(hidden[0], post_norms[layer], eps, normed[0])
-            gate_up = np.empty((1, gate_up_weights[layer].shape[0]), np.float32)
             one_token_kernel(
                 gate_up_weights[layer], gate_up_scales[layer], normed, gate_up_biases[layer],
                 gate_up, threads,
             )
-            intermediate = gate_up.shape[1] // 2
-            activated = np.empty((1, intermediate), np.float32)
             for i in range(intermediate):
                 gate = gate_up[0, i]
                 activated[0, i] = gate / (np.float32(1.0) + np.exp(-gate)) * gate_up[

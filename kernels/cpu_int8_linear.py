@@ -39,6 +39,8 @@ import torch.nn.functional as F
 try:
     import numba
     from numba import njit, prange
+
+    from pdserve.kernels.numba_threads import run_parallel
 except ImportError:  # engine/layers/int8_weight.py dequantizes instead
     numba = None
 
@@ -121,8 +123,6 @@ def int8_linear(
     """x [tokens, in] fp32 -> [tokens, out] fp32, `weight` [out, in] int8 and `scale` [out]
     fp32 numpy views, `bias` [out] fp32 (empty for none). Unchecked: engine/layers/int8_weight.py
     checks once, when it quantizes the weight."""
-    from pdserve.kernels.numba_threads import run_parallel
-
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     kernel = one_token_kernel if x.shape[0] == 1 else many_tokens_kernel

@@ -12,7 +12,8 @@ rounding costs in accuracy is measured and bounded in tests/engine/test_int8_wei
 
 Lifecycle: `Int8Weight.quantize` (from `Linear.pack`, once the checkpoint's weight is loaded;
 the full-precision weight is then dropped), then one `__call__` per forward for any number of
-tokens. CPU only: the engine refuses `quantization="int8"` on CUDA (engine/config.py).
+tokens. CPU only: the model runner refuses `quantization="int8"` on CUDA
+(engine/runner/model_runner.py).
 """
 
 from __future__ import annotations

@@ -25,16 +25,19 @@ from pdserve.kernels.cpu_gemv import bf16_words
 from pdserve.kernels.numba_threads import run_parallel
 
 
-def compiled_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
-    """Whether the compiled decode kernels cover this model and cache: a bf16 Llama-family
-    model on one rank without q/k norms, a bf16 CPU cache the decode attention kernel reads
-    (numba installed, head dim a multiple of 16). engine/runner/one_token_step.py asks this too."""
+def compiled_decode_fits(
+    model: torch.nn.Module, kv_cache: KVCache, dtype: torch.dtype = torch.bfloat16
+) -> bool:
+    """Whether the compiled decode kernels cover this model and cache: a Llama-family model in
+    `dtype` on one rank without q/k norms, a CPU cache in `dtype` the decode attention kernel
+    reads (numba installed, head dim a multiple of 16). engine/runner/one_token_step.py asks
+    this too, and engine/runner/int8_one_token_step.py with fp32."""
     if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
         return False
     spec = kv_cache.spec
-    if kv_cache.buffer.device.type != "cpu" or spec.dtype != torch.bfloat16:
+    if kv_cache.buffer.device.type != "cpu" or spec.dtype != dtype:
         return False
-    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.config.qk_norm:
+    if model.embed_tokens.weight.dtype != dtype or model.config.qk_norm:
         return False
     from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
     from pdserve.kernels.cpu_decode_glue import numba

@@ -22,25 +22,16 @@ import torch
 from pdserve.engine.kv.kv_cache import KVCache
 from pdserve.engine.layers.linear import Linear
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.runner.decode_batch_step import compiled_decode_fits
 from pdserve.kernels.numba_threads import run_parallel
 
 
 def int8_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
     """Whether the compiled int8 step covers this model and cache (see the module's docstring)."""
-    if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
-        return False
-    spec = kv_cache.spec
-    if kv_cache.buffer.device.type != "cpu" or spec.dtype != torch.float32:
-        return False
-    if model.embed_tokens.weight.dtype != torch.float32 or model.config.qk_norm:
+    if not compiled_decode_fits(model, kv_cache, torch.float32):
         return False
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    if not linears or not all(linear.int8 is not None for linear in linears):
-        return False
-    from pdserve.kernels.cpu_decode_attention import cpu_decode_attention_available
-    from pdserve.kernels.cpu_int8_decode_step import numba
-
-    return numba is not None and cpu_decode_attention_available(spec.dtype, spec.head_dim)
+    return bool(linears) and all(linear.int8 is not None for linear in linears)
 
 
 class Int8OneTokenStep:

@@ -30,7 +30,9 @@ from tests.nodes.test_disaggregated_nodes import (
 from tests.nodes.unlooped import capture_sends, unlooped_config
 
 
-def make_nodes(model_dir, decode_kv: str, prefill_kv: str) -> tuple[DecodeNode, PrefillNode]:
+def make_nodes(model_dir, decode: dict, prefill: dict) -> tuple[DecodeNode, PrefillNode]:
+    """A decode node and a prefill node (chunks of 32 tokens) on the tiny model in fp32, over the
+    in-process transport; `decode` / `prefill`: further EngineConfig fields of each."""
     tag = uuid.uuid4().hex[:10]
 
     def config(role: str):
@@ -40,30 +42,23 @@ def make_nodes(model_dir, decode_kv: str, prefill_kv: str) -> tuple[DecodeNode, 
             kv_listen_address=f"ipc:///tmp/pdserve-test-{tag}",
         )
 
-    decode = DecodeNode(
-        engine_config=EngineConfig(
-            model=str(model_dir), dtype="float32", num_kv_blocks=48, kv_cache_dtype=decode_kv
-        ),
-        config=config("d"),
+    def engine(**settings) -> EngineConfig:
+        return EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=48, **settings)
+
+    decode_node = DecodeNode(engine_config=engine(**decode), config=config("d"))
+    prefill_node = PrefillNode(
+        engine_config=engine(max_num_batched_tokens=32, **prefill), config=config("p")
     )
-    prefill = PrefillNode(
-        engine_config=EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            num_kv_blocks=48,
-            max_num_batched_tokens=32,
-            kv_cache_dtype=prefill_kv,
-        ),
-        config=config("p"),
-    )
-    capture_sends(decode)
-    capture_sends(prefill)
-    return decode, prefill
+    capture_sends(decode_node)
+    capture_sends(prefill_node)
+    return decode_node, prefill_node
 
 
 @pytest.fixture
 def fp8_nodes(tiny_llama_dir):
-    decode, prefill = make_nodes(tiny_llama_dir, "fp8_e4m3", "fp8")
+    decode, prefill = make_nodes(
+        tiny_llama_dir, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "fp8"}
+    )
     try:
         yield decode, prefill
     finally:
@@ -134,7 +129,9 @@ def abort_and_check_every_block_returns(
 
 
 def test_an_fp8_decode_node_refuses_a_full_precision_prefill_node_naming_both(tiny_llama_dir):
-    decode, prefill = make_nodes(tiny_llama_dir, "fp8_e4m3", "auto")
+    decode, prefill = make_nodes(
+        tiny_llama_dir, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "auto"}
+    )
     try:
         failure = refusal_at_pairing(decode, prefill)
         assert "dtype is 'float8_e4m3fn' on decode node" in failure.message

@@ -5,44 +5,22 @@ both nodes returns."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
-from pdserve.decode_node.node import DecodeNode
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import EngineConfig
-from pdserve.prefill_node.node import PrefillNode
 from pdserve.wire.messages import RequestFailed
 from tests.nodes.test_disaggregated_nodes import (
     assert_all_blocks_free,
     run_until_idle,
     tokens_by_request,
 )
-from tests.nodes.test_fp8_disaggregated_nodes import submit
-from tests.nodes.unlooped import capture_sends, unlooped_config
+from tests.nodes.test_fp8_disaggregated_nodes import make_nodes, submit
 
 
 @pytest.fixture
 def int8_nodes(tiny_llama_dir):
-    tag = uuid.uuid4().hex[:10]
-
-    def config(role: str):
-        return unlooped_config(
-            f"{role}{tag}", kv_transport="inprocess",
-            kv_listen_address=f"ipc:///tmp/pdserve-test-{tag}",
-        )
-
-    def engine(**more) -> EngineConfig:
-        return EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", quantization="int8", num_kv_blocks=48,
-            **more,
-        )
-
-    decode = DecodeNode(engine_config=engine(), config=config("d"))
-    prefill = PrefillNode(engine_config=engine(max_num_batched_tokens=32), config=config("p"))
-    capture_sends(decode)
-    capture_sends(prefill)
+    int8 = {"quantization": "int8"}
+    decode, prefill = make_nodes(tiny_llama_dir, int8, int8)
     try:
         yield decode, prefill
     finally:
