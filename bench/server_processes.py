@@ -1,6 +1,6 @@
-"""The processes of a running `pdserve serve` deployment, seen from outside through /proc: who
-each child is (the router, or a node by its id), how much memory it holds and how much CPU time
-it has used."""
+"""The processes of a running server, seen from outside through /proc: who each child of a
+`pdserve serve` deployment is (the router, or a node by its id), how much memory it holds, and
+how much CPU time it, or a whole process tree of any server, has used."""
 
 from __future__ import annotations
 
@@ -34,6 +34,38 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def _parent_ids() -> dict[int, int]:
+    """pid -> parent pid of every process /proc shows now."""
+    parents = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as stat:
+                    parents[int(entry.name)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return parents
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """`root_pid` and every process descended from it that is alive now."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parent_ids().items():
+        children.setdefault(parent, []).append(pid)
+    tree, frontier = [], [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier.extend(children.get(pid, []))
+    return tree
+
+
+def tree_cpu_seconds(root_pid: int) -> float:
+    """CPU time (user + system) used so far by `root_pid` and its live descendants: the cost of
+    a server made of several processes (a launcher, a router, nodes, engine workers)."""
+    return sum(cpu_seconds(pid) or 0.0 for pid in process_tree(root_pid))
+
+
 def process_label(argv: list[str], node_config: str | None = None) -> str:
     """`router`, or a node's id without its per-deployment suffix (`prefill-0`): from its
     command line, or from the settings `pdserve serve` hands it as data (`node_config`, the
@@ -52,17 +84,13 @@ def server_processes(launcher_pid: int) -> dict[str, int]:
     """The launcher's children (the router and the nodes) by label, found through the parent
     ids in /proc/*/stat."""
     found: dict[str, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for pid, parent in _parent_ids().items():
+        if parent != launcher_pid:
             continue
         try:
-            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            if parent != launcher_pid:
-                continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 argv = [a.decode(errors="replace") for a in cmdline.read().split(b"\0") if a]
-            with open(f"/proc/{entry.name}/environ", "rb") as environ:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
                 prefix = f"{NODE_CONFIG_ENV}=".encode()
                 config = next(
                     (e[len(prefix) :].decode() for e in environ.read().split(b"\0")
@@ -72,7 +100,7 @@ def server_processes(launcher_pid: int) -> dict[str, int]:
             label = process_label(argv, config)
         except (OSError, ValueError, IndexError, KeyError):
             continue
-        found[label if label not in found else f"{label} ({entry.name})"] = int(entry.name)
+        found[label if label not in found else f"{label} ({pid})"] = pid
     return dict(sorted(found.items()))
 
 

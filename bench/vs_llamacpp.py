@@ -63,7 +63,7 @@ class LlamaCppMissing(RuntimeError):
     """No llama.cpp server answers at the URL given."""
 
 
-def _int_list(text: str, flag: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.write_gguf is None and "llamacpp" in args.servers and not args.llamacpp_url:
         parser.error(f"--llamacpp-url is missing. {HOW_TO_GET_IT}")
     try:
-        args.concurrency = _int_list(args.concurrency, "--concurrency")
+        args.concurrency = int_list(args.concurrency, "--concurrency")
         RandomSpec(args.input_len, args.output_len)
         if args.num_prompts is not None and args.num_prompts < 1:
             raise ValueError(f"--num-prompts is {args.num_prompts}; expected at least 1")

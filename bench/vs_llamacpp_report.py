@@ -36,14 +36,14 @@ def ratios(ours: dict, theirs: dict) -> dict[str, float]:
     return {key: ratio(ours.get(key), theirs.get(key)) for key, _, _ in METRICS}
 
 
-def _number(value: float | None, scale: float) -> str:
+def number_cell(value: float | None, scale: float) -> str:
     if value is None or not math.isfinite(value):
         return "n/a"
     scaled = value * scale
     return f"{scaled:,.0f}" if abs(scaled) >= 100 else f"{scaled:.1f}"
 
 
-def _ratio_cell(value: float) -> str:
+def ratio_cell(value: float) -> str:
     return "n/a" if not math.isfinite(value) else f"{value:.2f}x"
 
 
@@ -60,13 +60,13 @@ def comparison_table(results: dict[str, dict | None], concurrencies: list[int]) 
             if summary is None:
                 rows.append([str(concurrency), server, "not measured", *[""] * (len(header) - 3)])
                 continue
-            cells = [_number(summary[key], scale) for key, _, scale in METRICS]
+            cells = [number_cell(summary[key], scale) for key, _, scale in METRICS]
             if server == LLAMACPP:
                 quotients = ["baseline"] * len(METRICS)
             elif base is None:
                 quotients = ["n/a"] * len(METRICS)
             else:
-                quotients = [_ratio_cell(v) for v in ratios(summary, base).values()]
+                quotients = [ratio_cell(v) for v in ratios(summary, base).values()]
             done = f"{summary['completed']}/{summary['requests']}"
             rows.append([str(concurrency), server, done, *cells, *quotients])
     return md_table(header, rows)

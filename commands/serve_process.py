@@ -5,6 +5,7 @@ with SIGINT (SIGKILL after 30 s). Given `--ssl-certfile` among its flags it serv
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import ssl
 import subprocess
@@ -18,7 +19,9 @@ from pdserve.wire.free_ports import free_port
 
 class ServeProcess:
     """`log_path`: where every process writes its output (default: this process's own);
-    `port`: the HTTP port (default: a free one); `tls_context`: None for plain HTTP."""
+    `port`: the HTTP port (default: a free one); `environment`: variables added to this
+    process's for the launcher and every process it starts; `tls_context`: None for plain
+    HTTP."""
 
     def __init__(
         self,
@@ -27,6 +30,7 @@ class ServeProcess:
         quiet: bool = False,
         log_path: Path | None = None,
         port: int | None = None,
+        environment: dict[str, str] | None = None,
     ):
         self.port = port or free_port()
         certfile = certificate_flag(flags)
@@ -40,6 +44,7 @@ class ServeProcess:
             [*python_module_command("pdserve.commands.cli"), "serve", "--port", str(self.port), *flags],
             stdout=output,
             stderr=output,
+            env={**os.environ, **environment} if environment else None,
         )
         try:
             wait_healthy(
