@@ -3,7 +3,9 @@
 Each child (router, node) writes its stdout and stderr into `<folder>/<name>.log` (a restarted
 node appends to its file). During start-up nothing is echoed: a child that fails to start is
 reported in one line, `failed_start_line`, with its last line and its log's path, instead of
-every child's traceback. Once the deployment is ready the launcher's supervision loop calls
+every child's traceback, and every 10 s the launcher says each child's last line
+(`starting_line`), so a slow start (a first compile of the CPU kernels) is seen, not silent.
+Once the deployment is ready the launcher's supervision loop calls
 `echo_new()`, which copies the lines written since to the launcher's stderr, so the terminal (or
 a container's log collector) sees every child's log from then on.
 """
@@ -61,6 +63,16 @@ class ChildLogs:
             return ""
         lines = [line.strip() for line in tail.splitlines() if line.strip()]
         return lines[-1] if lines else ""
+
+    def starting_line(self, elapsed_s: float) -> str:
+        """`pdserve: starting (N s): NAME: LAST LINE; ...`, every child that has written: what
+        start-up is doing while nothing is echoed yet (loading, compiling, warming up)."""
+        lasts = [
+            f"{path.stem}: {line}"
+            for path in sorted(self.folder.glob("*.log"))
+            if (line := self.last_line(path.stem))
+        ]
+        return f"pdserve: starting ({elapsed_s:.0f} s): " + ("; ".join(lasts) or "no output yet")
 
     def failed_start_line(self, name: str, status: int | None) -> str:
         """`pdserve: NAME exited with status S during start-up: LAST LINE (full log: PATH)`."""

@@ -141,11 +141,18 @@ def wait_healthy(
     exited: Callable[[], bool],
     timeout_s: float,
     tls_context: ssl.SSLContext | None = None,
+    progress: Callable[[float], None] | None = None,
+    progress_every_s: float = 10.0,
 ) -> None:
     """Returns once `url`/health answers 200 (over `tls_context` for https); RuntimeError if
-    `exited()` or on timeout."""
-    deadline = time.monotonic() + timeout_s
+    `exited()` or on timeout. `progress(seconds waited)` is called every `progress_every_s`."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_progress = started + progress_every_s
     while time.monotonic() < deadline:
+        if progress is not None and time.monotonic() >= next_progress:
+            progress(time.monotonic() - started)
+            next_progress = time.monotonic() + progress_every_s
         if exited():
             raise RuntimeError("a pdserve process exited during start-up")
         try:
@@ -357,7 +364,8 @@ def serve(args: argparse.Namespace) -> int:
         tls_context = router_tls_context(router.config)
         try:
             wait_healthy(
-                url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S, tls_context
+                url, lambda: deployment.first_exited() is not None, READY_TIMEOUT_S, tls_context,
+                progress=(lambda s: lines.say(logs.starting_line(s))) if logs else None,
             )
         except RuntimeError as error:
             lines.warn(_failed_start(deployment, error))

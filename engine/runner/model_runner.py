@@ -160,6 +160,10 @@ class ModelRunner:
         # paths run that kernel too (another backend, asked for by name, keeps every step).
         if getattr(self.attention, "cpu_decode", None) is not None:
             scale, window = self.attention.scale, self.attention.sliding_window
+            logger.info(
+                "building the compiled CPU decode paths (the first start on this CPU compiles "
+                "them, a minute or more; later starts load numba's on-disk cache)"
+            )
             self.one_token_step = OneTokenStep.for_model(
                 self.model, self.kv_cache, scale, window
             ) or Int8OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
