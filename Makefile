@@ -18,7 +18,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(MAKE) --no-print-directory libibverbs
+	$(MAKE) --no-print-directory system-packages
 	$(PY) -m pip install -c $(LOCK) -e '.[$(EXTRAS)]'
 	$(PY) -P tests/lock_drift.py $(LOCK)
 	touch $(STAMP)
@@ -36,19 +36,24 @@ lock:
 	rm -rf $(LOCK_VENV)
 	@echo "$(LOCK): $$(grep -c == $(LOCK)) packages"
 
-# The mooncake KV transport's engine links libibverbs (no RDMA device needed). Installed with
-# apt-get where it is missing on a Debian-like host, as root or through sudo; elsewhere a note.
-.PHONY: libibverbs
-libibverbs:
+# Debian packages pdserve uses where they exist: libibverbs1, which the mooncake KV transport's
+# engine links (no RDMA device needed), and libtcmalloc-minimal4, the allocator CPU deployments
+# run with (commands/allocator.py; docs/performance.md measures it). Installed with apt-get where
+# missing on a Debian-like host, as root or through sudo; elsewhere a note.
+SYSTEM_PACKAGES := libibverbs1 libtcmalloc-minimal4
+.PHONY: system-packages
+system-packages:
 	@if [ "$$(uname -s)" != Linux ] || ! command -v dpkg >/dev/null; then exit 0; fi; \
-	if dpkg -s libibverbs1 >/dev/null 2>&1; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then sudo=; elif command -v sudo >/dev/null; then sudo="sudo -n"; \
 	else sudo=none; fi; \
-	if [ "$$sudo" != none ] && command -v apt-get >/dev/null; then \
-		$$sudo apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
-		{ $$sudo apt-get update -q >/dev/null 2>&1 && $$sudo apt-get install -y -q libibverbs1; } \
-		&& exit 0; fi; \
-	echo "note: libibverbs1 is not installed; the mooncake KV transport (and its tests) need it"
+	for package in $(SYSTEM_PACKAGES); do \
+		if dpkg -s $$package >/dev/null 2>&1; then continue; fi; \
+		if [ "$$sudo" != none ] && command -v apt-get >/dev/null && \
+			{ $$sudo apt-get install -y -q $$package >/dev/null 2>&1 || \
+			{ $$sudo apt-get update -q >/dev/null 2>&1 && \
+			$$sudo apt-get install -y -q $$package >/dev/null 2>&1; }; }; then continue; fi; \
+		echo "note: $$package is not installed (the Makefile's comment above system-packages says what needs it)"; \
+	done
 
 download: install
 	$(VENV)/bin/pdserve download
@@ -75,7 +80,7 @@ test-stress: install
 # release that breaks pdserve is named at the next submission, not by a user.
 test-newest:
 	test -x $(NEWEST_VENV)/bin/python || $(PYTHON) -m venv $(NEWEST_VENV)
-	$(MAKE) --no-print-directory libibverbs
+	$(MAKE) --no-print-directory system-packages
 	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
 		-e '.[$(EXTRAS)]'
 	$(NEWEST_VENV)/bin/python -P tests/lock_drift.py $(LOCK)

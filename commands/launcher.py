@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.commands.allocator import allocator_environment
 from pdserve.commands.child_logs import ChildLogs
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
 from pdserve.commands.node_threads import plan_node_threads, usable_cores
@@ -337,7 +338,9 @@ def serve(args: argparse.Namespace) -> int:
     tokenizer = str(served.tokenizer_folder) if served.tokenizer_folder else None
     nodes = plan_nodes(args, model, router_address, tokenizer)
     cluster_secret = args.cluster_secret or secrets.token_urlsafe(32)
-    secret_env = {SECRET_ENV: cluster_secret}
+    on_gpus = any("CUDA_VISIBLE_DEVICES" in node.env for node in nodes)
+    allocator_env, allocator = allocator_environment(os.environ, on_gpus)
+    child_env = {SECRET_ENV: cluster_secret, **allocator_env}  # every child, restarts included
     router = plan_router(
         args, served, router_address, [f"{node.name}={node.address}" for node in nodes],
         cluster_secret,
@@ -348,6 +351,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.verbose:
         logs = ChildLogs(Path(tempfile.mkdtemp(prefix=f"pdserve-{args.port}-logs-")))
         lines.say(f"pdserve: process logs in {logs.folder} (--verbose: here)")
+    lines.say(f"pdserve: processes allocate with {allocator}")
     deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs, log=lines.warn)
     ready = False
     stopping: list[int] = []
@@ -358,8 +362,8 @@ def serve(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for node in nodes:
-            deployment.start(node.name, node.argv, {**node.env, **secret_env})
-        deployment.start("router", router.argv, router.env, is_node=False)
+            deployment.start(node.name, node.argv, {**node.env, **child_env})
+        deployment.start("router", router.argv, {**router.env, **allocator_env}, is_node=False)
         url = f"{router_scheme(router.config)}://{args.host}:{args.port}"
         tls_context = router_tls_context(router.config)
         try:
@@ -375,7 +379,7 @@ def serve(args: argparse.Namespace) -> int:
         ready = True
         planner = PlannerSettings(**given(PlannerSettings, args))
         role_changer = planner_for(
-            planner, args, router, tls_context, deployment, nodes, secret_env,
+            planner, args, router, tls_context, deployment, nodes, child_env,
             lambda: f"tcp://127.0.0.1:{free_port()}", lines.note,
         )
         layout = Role.COLOCATED.value if args.colocated else f"{args.prefill} prefill + {args.decode} decode"

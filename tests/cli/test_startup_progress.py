@@ -27,7 +27,7 @@ def test_the_starting_line_names_each_child_and_its_last_line(tmp_path):
 class _Health(BaseHTTPRequestHandler):
     ready = threading.Event()
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         self.send_response(200 if self.ready.is_set() else 503)
         self.end_headers()
 
