@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from pdserve.bench.serve_load import LoadOptions, run_load, summarize
 from pdserve.bench.serve_report import json_safe
 from pdserve.bench.server_processes import tree_cpu_seconds
 from pdserve.bench.sweep import say
+from pdserve.commands.child_logs import log_message
 from pdserve.bench.vs_llamacpp import SERVERS as PDSERVE_AND_LLAMACPP
 from pdserve.bench.vs_llamacpp import describe_llamacpp, int_list, pdserve_dtype, workload
 from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report
@@ -60,7 +60,6 @@ PDSERVE = {k: v for k, v in PDSERVE_AND_LLAMACPP.items() if v[1] is not None}
 PEERS = {"vllm": VLLM, "llamacpp": LLAMACPP}
 QUICK = {"concurrency": "1,4", "num_prompts": 4, "output_len": 16, "warmup": 1}
 #: the log lines of a pdserve node that say which paths its steps take
-LOG_PREFIX = re.compile(r"^.*?\b(?:DEBUG|INFO|WARNING|ERROR) [\w.]+: ")
 PATH_LINES = ("dtype ", "compiled on the CPU", "linear weights quantized", "one-token steps use")
 HOW_TO_GET = {
     "vllm": "install vLLM's CPU build in a virtual environment of its own (`python -m venv "
@@ -161,7 +160,7 @@ def measure(name: str, url: str, root_pid: int, args: argparse.Namespace, reques
 def pdserve_paths(log: Path) -> str:
     """The lines of a pdserve deployment's log that say which paths its steps take."""
     lines = {
-        LOG_PREFIX.sub("", line).strip()
+        log_message(line)
         for line in log.read_text(errors="replace").splitlines()
         if any(marker in line for marker in PATH_LINES)
     }

@@ -12,11 +12,19 @@ a container's log collector) sees every child's log from then on.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
 _TAIL_BYTES = 1 << 16
+#: what precedes a log record's message in a child's text log: its time, level and logger
+LOG_PREFIX = re.compile(r"^.*?\b(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+def log_message(line: str) -> str:
+    """A text log line without its time, level and logger; other lines as they are."""
+    return LOG_PREFIX.sub("", line, count=1).strip()
 
 
 class ChildLogs:
@@ -68,7 +76,7 @@ class ChildLogs:
         """`pdserve: starting (N s): NAME: LAST LINE; ...`, every child that has written: what
         start-up is doing while nothing is echoed yet (loading, compiling, warming up)."""
         lasts = [
-            f"{path.stem}: {line}"
+            f"{path.stem}: {log_message(line)}"
             for path in sorted(self.folder.glob("*.log"))
             if (line := self.last_line(path.stem))
         ]

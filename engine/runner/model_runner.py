@@ -161,8 +161,8 @@ class ModelRunner:
         if getattr(self.attention, "cpu_decode", None) is not None:
             scale, window = self.attention.scale, self.attention.sliding_window
             logger.info(
-                "building the compiled CPU decode paths (the first start on this CPU compiles "
-                "them, a minute or more; later starts load numba's on-disk cache)"
+                "building the compiled CPU decode paths (the first start on a CPU compiles them, "
+                "about 20 s on 2 cores; later starts load numba's on-disk cache)"
             )
             self.one_token_step = OneTokenStep.for_model(
                 self.model, self.kv_cache, scale, window

@@ -15,11 +15,13 @@ def test_the_starting_line_names_each_child_and_its_last_line(tmp_path):
     assert logs.starting_line(3.2) == "pdserve: starting (3 s): no output yet"
     logs.path("router").write_text("INFO waiting for nodes\n\n")
     logs.path("decode-0").write_text(
-        "INFO dtype float32\nINFO building the compiled CPU decode paths (the first start...)\n"
+        "2026-12-05 17:18:31,121 INFO pdserve.engine.runner.model_runner: dtype float32\n"
+        "2026-12-05 17:18:36,358 INFO pdserve.engine.runner.model_runner: building the "
+        "compiled CPU decode paths (the first start...)\n"
     )
     logs.path("prefill-0").write_text("")
     assert logs.starting_line(20.4) == (
-        "pdserve: starting (20 s): decode-0: INFO building the compiled CPU decode paths "
+        "pdserve: starting (20 s): decode-0: building the compiled CPU decode paths "
         "(the first start...); router: INFO waiting for nodes"
     )
 
