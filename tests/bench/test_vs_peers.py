@@ -24,12 +24,12 @@ from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report, comparis
 from pdserve.wire.free_ports import free_port
 
 BURN = (
-    "import time\n"
+    "import signal, time\n"
     "start = time.process_time()\n"
     "while time.process_time() - start < 0.5:\n"
     "    pass\n"
     "print('burnt', flush=True)\n"
-    "time.sleep(600)\n"
+    "signal.pause()\n"
 )
 
 
