@@ -19,7 +19,8 @@ prompt lengths uniform in [32, 512] and output lengths uniform in [16, 256], dra
 ``--seed``. Every request produces exactly its ``max_tokens`` (EOS is ignored), so "useful
 output tokens" is the sum of the requests' ``max_tokens`` for every system.
 
-Also measured: pdserve's batch-1 decode step time against the read roofline (weight bytes a
+With ``--quantization int8`` pdserve's linear weights are int8 (transformers keeps the model's,
+so parity is not expected). Also measured: pdserve's batch-1 decode step time against the read roofline (weight bytes a
 decode step streams / the read bandwidth measured in the same run, the better of a streaming sum
 and a large GEMV; see ``bench/bandwidth.py``; the goal is a step at >= 60% of it), the model's
 linear layers alone at batch 1, a torch.profiler breakdown (engine phases and top ops by self
@@ -69,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="of pdserve and transformers alike (auto: pdserve's choice on this machine)",
     )
     parser.add_argument(
+        "--quantization", default=None, choices=("int8",),
+        help="pdserve's weights only (`pdserve serve -q`); transformers keeps the model's",
+    )
+    parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX")
     )
     parser.add_argument(
@@ -103,6 +108,7 @@ def build_llm(model_path: Path, args: argparse.Namespace) -> Any:
     return LLM(
         str(model_path),
         dtype=args.dtype,
+        quantization=args.quantization,
         num_threads=args.threads,
         kv_cache_memory=int(args.kv_cache_gib * GIB),
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -110,12 +116,12 @@ def build_llm(model_path: Path, args: argparse.Namespace) -> Any:
     )
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, quantization: str | None = None) -> torch.dtype:
     """`--dtype`'s torch dtype; auto is engine/cpu/dtype_choice.py's choice on this CPU."""
     from pdserve.engine.cpu.dtype_choice import choose_dtype
 
     requested = None if name == "auto" else getattr(torch, name)
-    return choose_dtype(requested, torch.device("cpu"), None).dtype
+    return choose_dtype(requested, torch.device("cpu"), None, quantization=quantization).dtype
 
 
 def run_pdserve(llm: Any, workload: list[Request]) -> tuple[Throughput, list[list[int]]]:
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
-    args.dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
+    args.dtype = str(resolve_dtype(args.dtype, args.quantization)).removeprefix("torch.")
     torch.manual_seed(args.seed)
     results: dict[str, Any] = {"command": command_line(), "machine": machine_info()}
     model_path = resolve_model(args.model)

@@ -138,8 +138,11 @@ def parity_section(lines: list[str]) -> str:
 
 
 def setup_paragraph(results: dict[str, Any], args: argparse.Namespace) -> str:
+    quantization = getattr(args, "quantization", None)
+    weights = f", pdserve's linear weights {quantization}" if quantization else ""
     return (
-        f"Model: `{results['model']}` ({args.dtype}, {results['weight_bytes'] / 1e6:.0f} MB of weights "
+        f"Model: `{results['model']}` ({args.dtype}{weights}, "
+        f"{results['weight_bytes'] / 1e6:.0f} MB of weights "
         f"read per decode step: every linear layer and norm, not the embedding table). "
         f"Workload: {args.num_requests} requests, seed {args.seed}, prompts "
         f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens ({results['prompt_tokens']:,} in all),"
