@@ -63,8 +63,13 @@ def linear_calls(model: torch.nn.Module) -> list[Callable[[], torch.Tensor]]:
     calls: list[Callable[[], torch.Tensor]] = []
     for module in model.modules():
         if isinstance(module, Linear):
-            weight = module.packed_weight if module.packed_weight is not None else module.weight
-            x = torch.randn(1, module.in_features, dtype=weight.dtype)
+            if module.int8 is not None:  # int8 weights multiply fp32 activations
+                dtype = torch.float32
+            elif module.packed_weight is not None:
+                dtype = module.packed_weight.dtype
+            else:
+                dtype = module.weight.dtype
+            x = torch.randn(1, module.in_features, dtype=dtype)
             calls.append(lambda module=module, x=x: module(x))
     return calls
 

@@ -46,11 +46,14 @@ def test_a_small_measurement_reads_at_a_plausible_rate():
     assert 1e8 < bandwidth.sum_read < 1e13 and 1e8 < bandwidth.gemv_read < 1e13
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_linears_alone_are_timed_in_the_models_dtype(tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("float32", "int8")]
+)
+def test_the_linears_alone_are_timed_in_the_models_dtype(tmp_path, dtype, quantization):
     from pdserve.bench.decode_b1 import time_linears_b1
     from pdserve.engine.llm import LLM
     from pdserve.testing.tiny_models import save_tiny_model
 
-    llm = LLM(str(save_tiny_model("llama", tmp_path)), dtype=dtype, num_kv_blocks=16)
+    llm = LLM(str(save_tiny_model("llama", tmp_path)), dtype=dtype, num_kv_blocks=16,
+              quantization=quantization)
     assert 0 < time_linears_b1(llm.engine.runner.model) < 10
