@@ -52,8 +52,9 @@ from pdserve.bench.vs_llamacpp import SERVERS as PDSERVE_AND_LLAMACPP
 from pdserve.bench.vs_llamacpp import (
     add_workload_flags,
     check_workload,
-    describe_llamacpp,
     pdserve_dtype,
+    probe_llamacpp,
+    prompts_at,
     workload,
 )
 from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report
@@ -198,21 +199,17 @@ def pdserve_row(key: str, preload: str | None) -> str:
 def start_peer(key: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> PeerServer:
     """The peer running, or PeerMissing saying why not and how to get it."""
     most = max(args.concurrency)
+    context = args.input_len + args.output_len + 64  # per sequence, with room to spare
     if key == "vllm":
         if not args.vllm_python:
             raise PeerMissing(f"no --vllm-python given: {HOW_TO_GET['vllm']}")
-        return start_vllm(
-            Path(args.vllm_python), model_dir, args.dtype or auto_dtype(), most,
-            args.input_len + args.output_len + 64, log_dir,
-        )
+        dtype = args.dtype or auto_dtype()
+        return start_vllm(Path(args.vllm_python), model_dir, dtype, most, context, log_dir)
     if not args.llamacpp_server:
         raise PeerMissing(f"no --llamacpp-server given: {HOW_TO_GET['llamacpp']}")
     gguf = Path(args.gguf) if args.gguf else default_gguf(log_dir)
     threads = len(os.sched_getaffinity(0))
-    return start_llamacpp(
-        Path(args.llamacpp_server), gguf, most, args.input_len + args.output_len + 64, threads,
-        log_dir,
-    )
+    return start_llamacpp(Path(args.llamacpp_server), gguf, most, context, threads, log_dir)
 
 
 def default_gguf(folder: Path) -> Path:
@@ -243,12 +240,8 @@ def run_peer(key: str, args: argparse.Namespace, requests: dict, vocab: list[int
 
 
 def llamacpp_build(url: str) -> str:
-    import httpx
-
-    with httpx.Client(timeout=10.0) as http:
-        props = http.get(url + "/props").json()
-        models = http.get(url + "/v1/models").json()
-    info = describe_llamacpp(url, props, models)
+    """llama.cpp's build, quantization and weight size, as its /props and /v1/models say."""
+    info = probe_llamacpp(url)
     return f"{info['build']}, {info['quantization']}, {info.get('weights in memory', '?')}"
 
 
@@ -273,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         "prompts": f"random token ids ({vocab.source}), {args.input_len} tokens in, "
         f"{args.output_len} out, seed {args.seed}; the same for every server",
         "requests per concurrency": ", ".join(
-            f"{args.num_prompts or max(8, 2 * c)} at {c}" for c in args.concurrency
+            f"{prompts_at(args, c)} at {c}" for c in args.concurrency
         ),
         "sending": "all queued at once, at most C in flight; streamed /v1/completions, greedy, "
         "ignore_eos",
