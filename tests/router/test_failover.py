@@ -1,15 +1,22 @@
 """The router's failure handling without processes: a node is down after two missed heartbeats,
 only its own process's heartbeats keep it up, a restart is noticed, and the retry policy (a
-request lost before its first token goes to another prefill node under a new id; never after
-the first token; bounded; a 503 from a node is retried, a 400 is not)."""
+request lost before its first token goes to another prefill node under a new id; never once
+output reached the client, but still when the tokens that came back were all held back, whose
+text the client then sees from the retry alone; bounded; a 503 from a node is retried, a 400 is
+not)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from pdserve.router.api.validation import Plan
 from pdserve.router.cluster.node_client import NodeClient
 from pdserve.router.cluster.node_registry import NodeState
 from pdserve.router.cluster.prefill_placement import DisaggPolicy, PlacementSettings
+from pdserve.router.generation import Generation
+from pdserve.router.metrics import RouterMetrics
 from pdserve.wire.messages import (
     Abort,
     Generate,
@@ -151,6 +158,7 @@ def test_a_request_is_never_retried_after_its_first_token_reached_the_client():
     queue = client.submit("r", [1, 2, 3], FOUR_TOKENS)
     decode_id = "d0" if generates(sockets["d0"]) else "d1"
     client._dispatch(TokenBatch("p", [TokenUpdate("r", [5], None, offset=0)]))
+    client.shown("r")  # the generation passed its text on (router/generation.py)
     beat(client, clock, "p0", "p1", "d0", "d1", until=2.0)
     beat(client, clock, *{"p0", "p1", "d0", "d1"} - {decode_id}, until=2.0 + NODE_TIMEOUT_S + 0.3)
 
@@ -159,6 +167,48 @@ def test_a_request_is_never_retried_after_its_first_token_reached_the_client():
     assert isinstance(failure, RequestFailed) and failure.status == 503
     assert f"decode node {decode_id}" in failure.message
     assert sum(len(generates(s)) for s in sockets.values()) == 1
+    assert not client.inflight
+
+
+@pytest.mark.parametrize(
+    ("held_back", "read_before_the_loss"), [(True, True), (True, False), (False, False)]
+)
+def test_a_request_whose_output_has_not_reached_the_client_is_retried_and_shows_the_retry_alone(
+    tokenizer, held_back, read_before_the_loss
+):
+    """Its first token's text held back (a stop string's start) and read, or not read yet when
+    the loss comes: nothing reached the client, so the loss is retried, and the old attempt's
+    token never shows (taken back, or dropped unread beside the retry's marker)."""
+    old, *retried = tokenizer.encode("hello world", add_special_tokens=False)[:3]
+    stop = [tokenizer.decode([old]) + "\u2603"] if held_back else []  # begun, never ended
+    client, _, sockets = cluster("p0", "p1", "d0")
+    plan = Plan([[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=2)], stop)
+    generation = Generation("cmpl-r", plan, client, tokenizer, RouterMetrics("tiny"))
+
+    async def scenario() -> tuple[list, int]:
+        generation.start()
+        (choice,) = generation.choices
+        wire = choice.request_id
+        events = generation.events()
+        reader = asyncio.create_task(anext(events))
+        client._dispatch(TokenBatch("p", [TokenUpdate(wire, [old], None, offset=0)]))
+        if read_before_the_loss:
+            while not generation.queue.empty():
+                await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert choice.num_tokens == 1 and not reader.done()
+        client._dispatch(RequestFailed(wire, "KV transfer failed", 503))
+        client._dispatch(TokenBatch("p", [TokenUpdate(f"{wire}~1", retried[:1], None, offset=0)]))
+        client._dispatch(
+            TokenBatch("d0", [TokenUpdate(f"{wire}~1", retried[1:], "length", offset=1)])
+        )
+        shown = [await reader] + [batch async for batch in events]
+        return [e for batch in shown for e in batch], choice.num_tokens
+
+    shown, num_tokens = asyncio.run(scenario())
+    assert [g.request_id for g in generates(sockets["d0"])] == ["cmpl-r-0", "cmpl-r-0~1"]
+    assert "".join(e.text for e in shown) == tokenizer.decode(retried)
+    assert shown[-1].finish_reason == "length" and num_tokens == 2
     assert not client.inflight
 
 
