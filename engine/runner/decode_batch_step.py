@@ -31,7 +31,7 @@ def compiled_decode_fits(
     """Whether the compiled decode kernels cover this model and cache: a Llama-family model in
     `dtype` on one rank without q/k norms, a CPU cache in `dtype` the decode attention kernel
     reads (numba installed, head dim a multiple of 16). engine/runner/one_token_step.py asks
-    this too, and engine/runner/int8_one_token_step.py with fp32."""
+    this too, and engine/runner/fp32_one_token_step.py with fp32."""
     if not isinstance(model, LlamaForCausalLM) or model.layout.size != 1:
         return False
     spec = kv_cache.spec

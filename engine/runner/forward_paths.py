@@ -2,7 +2,7 @@
 first whose `can_run(batch)` holds runs it (`choose`).
 
   1. `GraphReplay` (cuda_graphs.py): a pure-decode step that fits a captured batch size;
-  2. `OneTokenDecode` (one_token_step.py, int8_one_token_step.py): one sequence decoding one
+  2. `OneTokenDecode` (one_token_step.py, fp32_one_token_step.py): one sequence decoding one
      token, CPU bf16 (AVX512-BF16) or int8 weights;
   3. `DecodeBatch` (decode_batch_step.py): a step of decodes only, CPU bf16;
   4. `ModelForward`: the model's own forward, which runs any batch (prefill chunks, mixed steps,
@@ -26,7 +26,7 @@ import torch
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.batch import FlatBatch
 from pdserve.engine.runner.decode_batch_step import DecodeBatchStep
-from pdserve.engine.runner.int8_one_token_step import Int8OneTokenStep
+from pdserve.engine.runner.fp32_one_token_step import Fp32OneTokenStep
 from pdserve.engine.runner.one_token_step import OneTokenStep
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class GraphReplay(ForwardPath):
 class OneTokenDecode(ForwardPath):
     name = "one_token_step"
 
-    def __init__(self, step: OneTokenStep | Int8OneTokenStep):
+    def __init__(self, step: OneTokenStep | Fp32OneTokenStep):
         self.step = step
 
     def can_run(self, batch: ForwardBatch) -> bool:

@@ -31,7 +31,7 @@ from pdserve.engine.runner.forward_paths import (
     OneTokenDecode,
     choose,
 )
-from pdserve.engine.runner.int8_one_token_step import Int8OneTokenStep
+from pdserve.engine.runner.fp32_one_token_step import Fp32OneTokenStep
 from pdserve.engine.runner.loader import load_model
 from pdserve.engine.runner.memory_budget import kv_cache_budget
 from pdserve.engine.runner.memory_profile import (
@@ -119,7 +119,7 @@ class ModelRunner:
         copies = self.model.one_token_copy_bytes()
         if copies:
             logger.info(
-                "one-token steps use the AVX512-BF16 kernel: linear weights kept twice "
+                "one-token forwards read row-major copies of the linear weights "
                 "(%.1f MiB more)", copies / 2**20,
             )
         self.sampler = Sampler(config.seed, self.device)
@@ -154,7 +154,7 @@ class ModelRunner:
         )
         self.attention = self._attention_backend(self.kv_cache)
         self.decode_graphs = self._capture_decode_graphs() if graph_buckets else None
-        self.one_token_step: OneTokenStep | Int8OneTokenStep | None = None
+        self.one_token_step: OneTokenStep | Fp32OneTokenStep | None = None
         self.decode_batch_step = None
         # Where the torch backend decodes with its compiled CPU kernel, the compiled decode
         # paths run that kernel too (another backend, asked for by name, keeps every step).
@@ -166,7 +166,7 @@ class ModelRunner:
             )
             self.one_token_step = OneTokenStep.for_model(
                 self.model, self.kv_cache, scale, window
-            ) or Int8OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
+            ) or Fp32OneTokenStep.for_model(self.model, self.kv_cache, scale, window)
             self.decode_batch_step = DecodeBatchStep.for_model(
                 self.model, self.kv_cache, scale, window
             )

@@ -1,7 +1,7 @@
 """The compiled CPU kernels' tests again, with numba compiling for instruction sets other than
 this machine's, so that a path users run on other CPUs is tested on every machine: AVX2 + FMA
 (Intel Haswell to Ice Lake client parts, AMD Zen 1-3: no AVX-512) and the x86-64 baseline
-(SSE2). The int8 decode step (tests/engine/test_int8_decode_step.py: whole tiny engines) runs
+(SSE2). The fp32 decode step, int8 and fp32 weights (tests/engine/test_fp32_decode_step.py: whole tiny engines), runs
 under AVX2, the instruction set of most CPUs without AVX-512. Each runs in a child pytest with NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set and a cache
 directory of its own, so every kernel is compiled for that target (a kernel's cache entry is
 keyed by its target too). The bf16 kernels need AVX512-BF16 (kernels/cpu_gemv.py) and turn
@@ -26,7 +26,7 @@ TARGETS = {
     "avx2": (
         {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma"},
         ["test_cpu_int8_linear.py", "test_cpu_decode_attention.py",
-         "../engine/test_int8_decode_step.py"],
+         "../engine/test_fp32_decode_step.py"],
     ),
     "x86-64": ({"NUMBA_CPU_NAME": "generic"}, ["test_cpu_int8_linear.py"]),
 }

@@ -1,5 +1,5 @@
-"""One token through every decoder layer of a Llama-family model with int8 weights
-(`--quantization int8`) and fp32 activations on the CPU, as one compiled call: the batch-1
+"""One token through every decoder layer of a Llama-family model with fp32 activations and
+int8 (`--quantization int8`) or fp32 weights on the CPU, as one compiled call: the batch-1
 decode step without Python between its ops, on any CPU numba compiles for (AVX2, AVX-512,
 NEON).
 
@@ -7,12 +7,14 @@ Why. With int8 weights a batch-1 step of SmolLM2-135M reads 134 MB, ~5 ms at the
 of a 2-core server, and its linears (kernels/cpu_int8_linear.py) take about that; through torch
 the step took ~19 ms on a 2-core AMD EPYC, most of it the ~40 small torch ops per layer and
 their Python; compiled, it takes 6.5 ms. Here those ops are loops over a few hundred numbers
-inside one numba function, which calls the same int8 linear kernel and the same paged decode
-attention kernel (kernels/cpu_decode_attention.py) as the torch path.
+inside one numba function, which calls the same linear kernel and the same paged decode
+attention kernel (kernels/cpu_decode_attention.py) as the torch path. fp32 weights go through
+the same linear kernel with every row's scale 1 (numba compiles the function once per weight
+type), so an fp32 model's step is exact but for the order of its sums.
 
 What it computes, per layer, in fp32 (the torch forward's ops, engine/models/llama.py):
   normed = rms_norm(hidden)             x * rsqrt(mean(x^2) + eps) * weight
-  q, k, v = qkv_proj(normed)            the int8 kernel (per-row scales, bias if any)
+  q, k, v = qkv_proj(normed)            the linear kernel (per-row scales, bias if any)
   q, k = rope(q), rope(k)               x * cos + roll(x, half) * signed_sin
   cache[slot] = k, v                    the token's slot of its last block
   attention = decode_attention(q)       q * scale, the paged kernel
@@ -21,10 +23,11 @@ What it computes, per layer, in fp32 (the torch forward's ops, engine/models/lla
   gate, up = gate_up_proj(normed)
   hidden = hidden + down_proj(silu(gate) * up)
 The results differ from the torch path's only in the order of fp32 sums (the norm's mean of
-squares) and in exp's last bit (silu): ~1e-6 relative, far inside int8's own error
-(tests/engine/test_int8_weights.py).
+squares, the linears) and in exp's last bit (silu): ~1e-6 relative, far inside int8's own error
+(tests/engine/test_int8_weights.py); tests/engine/test_fp32_decode_step.py checks both weight
+types against the torch forward.
 
-The embedding, final norm and LM head stay torch modules (engine/runner/int8_one_token_step.py).
+The embedding, final norm and LM head stay torch modules (engine/runner/fp32_one_token_step.py).
 Compiled on first use for each (query heads, KV heads, head dim, query heads per attention call,
 tokens per chunk) and cached on disk like the other numba kernels.
 """
@@ -42,7 +45,7 @@ try:
 
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_int8_linear import one_token_kernel
-except ImportError:  # engine/runner/int8_one_token_step.py reports the step unavailable
+except ImportError:  # engine/runner/fp32_one_token_step.py reports the step unavailable
     numba = None
 
 if numba is not None:
@@ -65,8 +68,8 @@ if numba is not None:
     ):
         """hidden [1, hidden_size] fp32: the token's embedding in, the last layer's output out.
         Per layer l: input_norms[l] / post_norms[l] [hidden_size] fp32; the typed lists hold
-        the layer's int8 weights ([out, in]), fp32 scales ([out]) and fp32 biases (empty for
-        none); key_caches[l] / value_caches[l] [blocks, kv_heads, block_size, head_dim] fp32.
+        the layer's weights ([out, in], int8 or fp32), fp32 scales ([out]) and fp32 biases
+        (empty for none); key_caches[l] / value_caches[l] [blocks, kv_heads, block_size, head_dim] fp32.
         cos / signed_sin [head_dim] fp32 rows at the position; block_table [1, n] int32,
         seq_len [1] int32 (the token is at seq_len - 1, its slot already allocated); window 0
         for none; order the attention's lane order; threads the linears' chunks of rows (one per

@@ -1,15 +1,22 @@
-"""A step that decodes one sequence by one token with int8 weights (`--quantization int8`) and
-fp32 activations, through every decoder layer in one compiled call
-(kernels/cpu_int8_decode_step.py) instead of torch's ops one by one. It runs on any CPU numba
-compiles for: the int8 counterpart of engine/runner/one_token_step.py (bf16 on AVX512-BF16).
+"""A step that decodes one sequence by one token with fp32 activations, through every decoder
+layer in one compiled call (kernels/cpu_fp32_decode_step.py) instead of torch's ops one by one,
+its weights int8 (`--quantization int8`) or fp32. It runs on any CPU numba compiles for: the
+fp32 counterpart of engine/runner/one_token_step.py (bf16 on AVX512-BF16).
 
-`Int8OneTokenStep.for_model` returns None unless every part it replaces has a compiled kernel
+`Fp32OneTokenStep.for_model` returns None unless every part it replaces has a compiled kernel
 here: an fp32 Llama-family model on the CPU on one rank, every decoder linear int8
-(engine/layers/int8_weight.py), no q/k norms (Qwen3 keeps the torch path), an fp32 KV cache
-read by the compiled decode attention (head dim a multiple of 16). The runner takes it for a
-step of exactly one sequence decoding one token without prompt logprobs; batches, prefills and
-scoring go through the torch forward, which writes and reads the same KV cache with the same
-int8 weights. The embedding row, the final norm and the LM head stay the model's modules.
+(engine/layers/int8_weight.py) or every one with its fp32 row-major copy (engine/layers/linear.py's
+`Fp32OneTokenWeight`), no q/k norms (Qwen3 keeps the torch path), an fp32 KV cache read by the
+compiled decode attention (head dim a multiple of 16). The runner takes it for a step of exactly
+one sequence decoding one token without prompt logprobs; batches, prefills and scoring go
+through the torch forward, which writes and reads the same KV cache with the same weights. The
+embedding row, the final norm and the LM head stay the model's modules (the head's one-token
+forward reads its own row-major copy).
+
+Why fp32 too. A batch-1 fp32 step reads 538 MB of the default model's weights; through torch
+each linear is a oneDNN call that reads them at 13 GB/s (2-core AMD EPYC held to AVX2), here the
+same loops read them at 53 GB/s. fp32 weights run the int8 kernel with every scale 1, so the
+step computes exactly what the torch forward does, up to the order of fp32 sums.
 """
 
 from __future__ import annotations
@@ -20,27 +27,51 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv.kv_cache import KVCache
-from pdserve.engine.layers.linear import Linear
+from pdserve.engine.layers.int8_weight import Int8Weight
+from pdserve.engine.layers.linear import Fp32OneTokenWeight, Linear
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.runner.decode_batch_step import compiled_decode_fits
 from pdserve.kernels.numba_threads import run_parallel
 
 
-def int8_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
-    """Whether the compiled int8 step covers this model and cache (see the module's docstring)."""
+def fp32_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
+    """Whether the compiled fp32 step covers this model and cache (see the module's docstring)."""
     if not compiled_decode_fits(model, kv_cache, torch.float32):
         return False
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    return bool(linears) and all(linear.int8 is not None for linear in linears)
+    return bool(linears) and (
+        all(linear.int8 is not None for linear in linears)
+        or all(isinstance(linear.one_token, Fp32OneTokenWeight) for linear in linears)
+    )
 
 
-class Int8OneTokenStep:
+def _weight_lists(linears: list[Linear]) -> tuple:
+    """The kernel's typed lists for these linears: weights [out, in] (int8, or fp32 with scales
+    of one), fp32 scales [out] and fp32 biases (empty for none)."""
+    from numba.typed import List
+
+    no_bias = np.zeros(0, np.float32)
+    forms = [linear.int8 or linear.one_token for linear in linears]
+    return (
+        List([
+            form.quantized.numpy() if isinstance(form, Int8Weight) else form.weight.numpy()
+            for form in forms
+        ]),
+        List([form.scale.numpy() for form in forms]),
+        List([
+            no_bias if form.bias is None or form.bias.numel() == 0 else form.bias.numpy()
+            for form in forms
+        ]),
+    )
+
+
+class Fp32OneTokenStep:
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: KVCache, scale: float, sliding_window: int | None
     ) -> None:
         from numba.typed import List
 
-        from pdserve.kernels import cpu_int8_decode_step
+        from pdserve.kernels import cpu_fp32_decode_step
         from pdserve.kernels.cpu_attention_chunk import lane_order
         from pdserve.kernels.cpu_decode_attention import heads_per_call
 
@@ -49,7 +80,7 @@ class Int8OneTokenStep:
         config = model.config
         num_heads, num_kv_heads = model.layout.num_heads, model.layout.num_kv_heads
         head_dim = config.head_dim
-        self._kernel = cpu_int8_decode_step.compiled_for(
+        self._kernel = cpu_fp32_decode_step.compiled_for(
             num_heads, num_kv_heads, head_dim, heads_per_call(num_heads // num_kv_heads, head_dim),
             math.gcd(kv_cache.spec.block_size, 16),
         )
@@ -60,21 +91,10 @@ class Int8OneTokenStep:
         self._input_norms = np.stack([l.input_layernorm.weight.data.numpy() for l in layers])
         self._post_norms = np.stack([l.post_attention_layernorm.weight.data.numpy() for l in layers])
 
-        def weights(linears: list[Linear]) -> tuple[List, List, List]:
-            no_bias = np.zeros(0, np.float32)
-            return (
-                List([linear.int8.quantized.numpy() for linear in linears]),
-                List([linear.int8.scale.numpy() for linear in linears]),
-                List([
-                    no_bias if linear.int8.bias is None else linear.int8.bias.numpy()
-                    for linear in linears
-                ]),
-            )
-
-        self._qkv = weights([l.self_attn.qkv_proj for l in layers])
-        self._o = weights([l.self_attn.o_proj for l in layers])
-        self._gate_up = weights([l.mlp.gate_up_proj for l in layers])
-        self._down = weights([l.mlp.down_proj for l in layers])
+        self._qkv = _weight_lists([l.self_attn.qkv_proj for l in layers])
+        self._o = _weight_lists([l.self_attn.o_proj for l in layers])
+        self._gate_up = _weight_lists([l.mlp.gate_up_proj for l in layers])
+        self._down = _weight_lists([l.mlp.down_proj for l in layers])
         self._key_caches = List([kv_cache.key_cache(i).numpy() for i in range(len(layers))])
         self._value_caches = List([kv_cache.value_cache(i).numpy() for i in range(len(layers))])
 
@@ -85,10 +105,10 @@ class Int8OneTokenStep:
         kv_cache: KVCache,
         scale: float,
         sliding_window: int | None,
-    ) -> Int8OneTokenStep | None:
+    ) -> Fp32OneTokenStep | None:
         """The compiled step for this model and cache (compiled now, or loaded from numba's
         cache); None where it cannot run (see the module's docstring)."""
-        if not int8_decode_fits(model, kv_cache):
+        if not fp32_decode_fits(model, kv_cache):
             return None
         step = cls(model, kv_cache, scale, sliding_window)
         step.compile()
