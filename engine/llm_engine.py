@@ -124,8 +124,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.sequences: dict[str, Sequence] = {}
         self.held_blocks = HeldBlocks(self.block_manager)
-        self.prompt_export = PromptExport(
-            self.block_manager, self.model_config.num_layers, self.hold_blocks
+        self.prompt_export = PromptExport(  # held_blocks' method, not the engine's: no cycle
+            self.block_manager, self.model_config.num_layers, self.held_blocks.hold
         )
         self.structured_output = StructuredOutput(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
