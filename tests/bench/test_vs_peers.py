@@ -4,6 +4,8 @@ standing in for a peer's HTTP port, and the table's ratios."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,7 @@ def test_the_cpu_time_of_a_tree_counts_its_grandchildren():
     shell = subprocess.Popen(
         ["bash", "-c", f"{sys.executable} -c \"$BURN\" & wait"],
         env={"BURN": BURN, "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: the grandchild ends with it
     )
     try:
         assert shell.stdout.readline().strip() == "burnt"
@@ -46,8 +49,7 @@ def test_the_cpu_time_of_a_tree_counts_its_grandchildren():
         assert tree_cpu_seconds(shell.pid) >= 0.45
         assert cpu_seconds(shell.pid) < 0.45
     finally:
-        shell.kill()
-        subprocess.run(["pkill", "-P", str(shell.pid)], check=False)
+        os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
 
 
