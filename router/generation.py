@@ -195,9 +195,7 @@ class Generation:
                     index,
                     sub_id,
                     group.prompt,
-                    IncrementalDetokenizer(
-                        self.tokenizer, group.prompt, self.plan.skip_special_tokens
-                    ),
+                    self._detokenizer(group.prompt),
                     StopStringMatcher(self.plan.stop),
                     self.submitted_at,
                 )
@@ -309,12 +307,13 @@ class Generation:
             self.client.shown(choice.request_id)
         return event
 
+    def _detokenizer(self, prompt: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt, self.plan.skip_special_tokens)
+
     def _start_over(self, choice: _Choice) -> None:
         """The choice's tokens so far came from an attempt given up (none of their text was
         shown): its output starts again from nothing."""
-        choice.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, choice.prompt, self.plan.skip_special_tokens
-        )
+        choice.detokenizer = self._detokenizer(choice.prompt)
         choice.matcher = StopStringMatcher(self.plan.stop)
         choice.num_tokens = choice.num_cached_tokens = 0
         choice.first_token_at = choice.last_token_at = None

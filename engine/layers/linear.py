@@ -50,6 +50,7 @@ more memory on the default model.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,15 +118,17 @@ class OneTokenWeight:
 class Fp32OneTokenWeight:
     """An fp32 weight kept row-major for the one-token kernel of kernels/cpu_int8_linear.py, run
     with every row's scale 1 (an exact product): compiled by numba for the host's vectors, it
-    reads the weights 2.5-4x faster than oneDNN's prepacked matmul does for one token (at the
-    default model's shapes on a 2-core AMD EPYC held to AVX2: 53 against 13 GB/s), which is what
-    a batch-1 decode step is bound by. `for_weight` says None where numba is missing. Same
-    interface as `OneTokenWeight`; the sums differ from oneDNN's only in their order."""
+    reads the weights 2.3-2.7x faster than oneDNN's prepacked matmul does for one token (at the
+    default model's shapes on a 2-core AMD EPYC held to AVX2: 30-35 against 13 GB/s), which is
+    what a batch-1 decode step is bound by. `for_weight` says None where numba is missing. Same
+    interface as `OneTokenWeight`, and `scale` and `bias` (None for none) as `Int8Weight` has
+    them; the sums differ from oneDNN's only in their order."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach().contiguous()
         self.scale = torch.ones(weight.shape[0], dtype=torch.float32)
-        self.bias = torch.zeros(0) if bias is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._bias_array = np.zeros(0, np.float32) if self.bias is None else self.bias.numpy()
 
     @classmethod
     def for_weight(
@@ -150,7 +153,7 @@ class Fp32OneTokenWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from pdserve.kernels.cpu_int8_linear import int8_linear
 
-        return int8_linear(self.weight.numpy(), self.scale.numpy(), x, self.bias.numpy())
+        return int8_linear(self.weight.numpy(), self.scale.numpy(), x, self._bias_array)
 
 
 def one_token_weight(
@@ -167,8 +170,8 @@ class Linear(nn.Module):
 
     Lifecycle: built, loaded (`load`), then packed once (`pack`) into one of three forms: a
     oneDNN-prepacked weight (with a row-major copy for one-token steps where a kernel for it
-    runs: bf16 with AVX512-BF16, fp32 with numba), an int8 weight (`pack("int8")`: engine/layers/int8_weight.py), or the loaded weight
-    as it is for `F.linear`."""
+    runs: bf16 with AVX512-BF16, fp32 with numba), an int8 weight (`pack("int8")`:
+    engine/layers/int8_weight.py), or the loaded weight as it is for `F.linear`."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None = None
