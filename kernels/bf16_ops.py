@@ -1,7 +1,7 @@
-"""bf16 numbers as 16-bit words in numba code, and the small ops of a Llama-family decoder layer
-on them, rounding as torch's bf16 ops round: each op computes in fp32 and rounds its result to
-bf16 (nearest even). Shared by the compiled decode paths (cpu_decode_step.py, cpu_decode_glue.py)
-and the one-token linear kernel (cpu_gemv.py). Imported only where numba is.
+"""bf16 numbers as 16-bit words in numba code, and the MLP's SiLU times up on them, rounding as
+torch's bf16 ops round: each op computes in fp32 and rounds its result to bf16 (nearest even).
+Shared by the compiled decode paths (cpu_decode_step.py, and activation_ops.py's ops on bf16
+words) and the one-token linear kernel (cpu_gemv.py). Imported only where numba is.
 """
 
 from __future__ import annotations
@@ -26,42 +26,6 @@ def to_bf16(value):
 def from_bf16(word):
     """A bf16 word's fp32 value (exact)."""
     return np.uint32(np.uint32(word) << np.uint32(16)).view(np.float32)
-
-
-@njit
-def rms_norm(x, weight, eps, out):
-    """out = bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))), transformers' bf16 RMSNorm."""
-    total = np.float32(0.0)
-    for i in range(x.shape[0]):
-        value = from_bf16(x[i])
-        total += value * value
-    variance = total / np.float32(x.shape[0])
-    inverse = np.float32(1.0) / np.float32(math.sqrt(variance + eps))
-    for i in range(x.shape[0]):
-        normed = from_bf16(to_bf16(from_bf16(x[i]) * inverse))
-        out[i] = to_bf16(from_bf16(weight[i]) * normed)
-
-
-@njit
-def rope(qkv, first_head, num_heads, head_dim, cos, signed_sin):
-    """Rope in place on heads first_head .. first_head + num_heads - 1 of `qkv`."""
-    half = head_dim // 2
-    rotated = np.empty(head_dim, np.uint16)
-    for head in range(first_head, first_head + num_heads):
-        start = head * head_dim
-        for d in range(head_dim):
-            rolled = qkv[start + (d + half) % head_dim]
-            rotated[d] = to_bf16(from_bf16(rolled) * from_bf16(signed_sin[d]))
-        for d in range(head_dim):
-            straight = to_bf16(from_bf16(qkv[start + d]) * from_bf16(cos[d]))
-            qkv[start + d] = to_bf16(from_bf16(straight) + from_bf16(rotated[d]))
-
-
-@njit
-def add_into(hidden, other):
-    """hidden += other, each sum rounded to bf16 (torch's in-place bf16 add)."""
-    for i in range(hidden.shape[0]):
-        hidden[i] = to_bf16(from_bf16(hidden[i]) + from_bf16(other[i]))
 
 
 @njit

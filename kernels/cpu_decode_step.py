@@ -40,14 +40,8 @@ try:
     import numba
     from numba import njit
 
-    from pdserve.kernels.bf16_ops import (
-        add_into,
-        from_bf16,
-        rms_norm,
-        rope,
-        silu_times_up,
-        to_bf16,
-    )
+    from pdserve.kernels.activation_ops import add_into, rms_norm, rope
+    from pdserve.kernels.bf16_ops import from_bf16, silu_times_up, to_bf16
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_gemv import gemv_kernel
 except ImportError:  # engine/runner/one_token_step.py reports the step unavailable

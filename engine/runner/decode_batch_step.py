@@ -1,11 +1,12 @@
-"""A step of decoding sequences only (one token each), on the CPU in bf16, with the small ops
-between the linears compiled (kernels/cpu_decode_glue.py): per layer three compiled calls, the
-linears (oneDNN's prepacked matmuls) and the MLP's SiLU in torch, in place of about forty torch
-ops and their Python.
+"""A step of decoding sequences only (one token each), on the CPU in bf16 or fp32, with the
+small ops between the linears compiled (kernels/cpu_decode_glue.py): per layer three compiled
+calls, the linears (oneDNN's prepacked matmuls, or int8 weights) and the MLP's SiLU in torch,
+in place of about forty torch ops and their Python.
 
 `DecodeBatchStep.for_model` returns None unless every part it replaces has its compiled kernel:
-a bf16 Llama-family model on the CPU on one rank, no q/k norms (Qwen3 keeps the torch path), a
-bf16 KV cache read by the compiled decode attention (head dim a multiple of 16). The runner takes
+a bf16 or fp32 Llama-family model on the CPU on one rank, no q/k norms (Qwen3 keeps the torch
+path), a KV cache of the model's dtype read by the compiled decode attention (head dim a
+multiple of 16). The runner takes
 it for a step whose every sequence decodes one token, without prompt logprobs (a lone sequence
 takes engine/runner/one_token_step.py where that runs); prefills and mixed steps go through the
 torch forward, whose prefill stays bitwise transformers'. The embedding, the linears, the final
@@ -23,6 +24,16 @@ from pdserve.engine.kv.kv_cache import KVCache
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.kernels.cpu_gemv import bf16_words
 from pdserve.kernels.numba_threads import run_parallel
+
+COMPILED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous bf16 or fp32 tensor as the array the compiled kernels read and write
+    (bf16 as its uint16 words), sharing its memory."""
+    if tensor.dtype == torch.bfloat16:
+        return bf16_words(tensor)
+    return tensor.numpy()
 
 
 def compiled_decode_fits(
@@ -64,18 +75,19 @@ class DecodeBatchStep:
             heads_per_call(self._num_heads // num_kv_heads, self._head_dim),
             math.gcd(kv_cache.spec.block_size, 16),
         )
-        self._order = lane_order(self._head_dim, words=True)
+        words = model.embed_tokens.weight.dtype == torch.bfloat16
+        self._order = lane_order(self._head_dim, words=words)
         self._eps = np.float32(model.config.rms_norm_eps)
         self._scale = np.float32(scale)
         self._window = sliding_window or 0
         # The norm before each layer, and the final norm after the last.
-        self._input_norms = [bf16_words(layer.input_layernorm.weight.data) for layer in layers]
-        self._input_norms.append(bf16_words(model.norm.weight.data))
+        self._input_norms = [kernel_array(layer.input_layernorm.weight.data) for layer in layers]
+        self._input_norms.append(kernel_array(model.norm.weight.data))
         self._post_norms = [
-            bf16_words(layer.post_attention_layernorm.weight.data) for layer in layers
+            kernel_array(layer.post_attention_layernorm.weight.data) for layer in layers
         ]
-        self._keys = [bf16_words(kv_cache.key_cache(i)) for i in range(len(layers))]
-        self._values = [bf16_words(kv_cache.value_cache(i)) for i in range(len(layers))]
+        self._keys = [kernel_array(kv_cache.key_cache(i)) for i in range(len(layers))]
+        self._values = [kernel_array(kv_cache.value_cache(i)) for i in range(len(layers))]
 
     @classmethod
     def for_model(
@@ -83,7 +95,7 @@ class DecodeBatchStep:
     ) -> DecodeBatchStep | None:
         """The compiled path for this model and cache (compiled now, or loaded from numba's
         cache); None where it cannot run (see the module's docstring)."""
-        if not compiled_decode_fits(model, kv_cache):
+        if not any(compiled_decode_fits(model, kv_cache, dtype) for dtype in COMPILED_DTYPES):
             return None
         step = cls(model, kv_cache, scale, sliding_window)
         step.compile()
@@ -106,9 +118,10 @@ class DecodeBatchStep:
         and values into the cache."""
         model, glue = self.model, self._glue
         rows = input_ids.shape[0]
-        hidden = model.embed_tokens(input_ids)  # [rows, hidden] bf16, updated in place
+        hidden = model.embed_tokens(input_ids)  # [rows, hidden], updated in place
         cos, signed_sin = model.rotary.cos_sin(positions, hidden.dtype)
-        cos, signed_sin = bf16_words(cos[:, 0]), bf16_words(signed_sin[:, 0])
+        cos = kernel_array(cos[:, 0].contiguous())
+        signed_sin = kernel_array(signed_sin[:, 0].contiguous())
         width = max(len(table) for table in block_tables)
         tables = np.zeros((rows, width), np.int32)
         for row, table in enumerate(block_tables):
@@ -117,24 +130,24 @@ class DecodeBatchStep:
         query = np.empty((rows, self._num_heads, self._head_dim), np.float32)
         attended = np.empty_like(query)
         normed = torch.empty_like(hidden)
-        hidden_words, normed_words = bf16_words(hidden), bf16_words(normed)
-        run_parallel(glue.norm_rows, hidden_words, self._input_norms[0], self._eps, normed_words)
+        hidden_array, normed_array = kernel_array(hidden), kernel_array(normed)
+        run_parallel(glue.norm_rows, hidden_array, self._input_norms[0], self._eps, normed_array)
         for index, layer in enumerate(model.layers):
             qkv = layer.self_attn.qkv_proj(normed)
             attention = torch.empty(rows, self._num_heads * self._head_dim, dtype=hidden.dtype)
             run_parallel(
-                self._rope_store_attend, bf16_words(qkv), cos, signed_sin, self._keys[index],
+                self._rope_store_attend, kernel_array(qkv), cos, signed_sin, self._keys[index],
                 self._values[index], tables, lens, self._window, self._scale, self._order,
-                query, attended, bf16_words(attention),
+                query, attended, kernel_array(attention),
             )
             projected = layer.self_attn.o_proj(attention)
             run_parallel(
-                glue.add_norm_rows, hidden_words, bf16_words(projected), self._post_norms[index],
-                self._eps, normed_words,
+                glue.add_norm_rows, hidden_array, kernel_array(projected), self._post_norms[index],
+                self._eps, normed_array,
             )
             projected = layer.mlp(normed)  # torch's SiLU: vectorized, faster than scalar code
             run_parallel(
-                glue.add_norm_rows, hidden_words, bf16_words(projected),
-                self._input_norms[index + 1], self._eps, normed_words,
+                glue.add_norm_rows, hidden_array, kernel_array(projected),
+                self._input_norms[index + 1], self._eps, normed_array,
             )
         return model.lm_head(normed)

@@ -1,10 +1,11 @@
-"""The compiled decode paths on the CPU in bf16: the one-sequence step
+"""The compiled decode paths on the CPU: the one-sequence step in bf16
 (engine/runner/one_token_step.py, kernels/cpu_decode_step.py) and the batch step's compiled ops
-between the linears (engine/runner/decode_batch_step.py, kernels/cpu_decode_glue.py). From the same
-cache state each writes the same keys and values and gives the logits of the torch forward (on the
-tiny families, bit for bit on the benchmark CPU; asserted within a bf16 bound), with a sliding
-window shorter than the context too; the runner takes each only for the steps it serves; and
-neither is built where a part of it cannot run."""
+between the linears, in bf16 and fp32 (engine/runner/decode_batch_step.py,
+kernels/cpu_decode_glue.py). From the same cache state each writes the same keys and values and
+gives the logits of the torch forward (bf16: on the tiny families bit for bit on the benchmark
+CPU, asserted within a bf16 bound; fp32: within 1e-4, the norm's and the attention's sums in
+another order), with a sliding window shorter than the context too; the runner takes each only
+for the steps it serves; and neither is built where a part of it cannot run."""
 
 from __future__ import annotations
 
@@ -26,10 +27,34 @@ PROMPT_LEN = 40
 BLOCK_TABLE = [5, 9, 2, 7]  # shuffled blocks of a fresh cache
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope-tied", "mistral", "qwen2"])
+FAMILIES = ["llama", "llama3-rope-tied", "mistral", "qwen2"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def bf16_llm(request, tmp_path_factory):
     folder = save_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     return LLM(str(folder), dtype="bfloat16", kv_cache_memory=1 << 26)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(family, dtype) for dtype in ("bfloat16", "float32") for family in FAMILIES],
+    ids=lambda param: "-".join(param),
+)
+def batch_llm(request, tmp_path_factory):
+    """An engine the batch step runs for: bf16 or fp32 (fp32 on any CPU numba compiles for)."""
+    family, dtype = request.param
+    folder = save_tiny_model(family, tmp_path_factory.mktemp(family))
+    return LLM(str(folder), dtype=dtype, kv_cache_memory=1 << 26)
+
+
+def close_bounds(dtype: torch.dtype) -> tuple[dict, dict]:
+    """assert_close's bounds on (logits, cache) between a compiled path and the torch forward:
+    in bf16 rounding may differ in rare elements (the norm's sum order), and a bf16 logit of
+    magnitude 4-8 has an ulp of 1/32; in fp32 only the order of some sums differs."""
+    if dtype == torch.bfloat16:
+        return {"atol": 0.25, "rtol": 0}, {"atol": 0.1, "rtol": 1 / 64}
+    return {"atol": 1e-4, "rtol": 1e-4}, {"atol": 1e-5, "rtol": 1e-5}
 
 
 def torch_forward(runner, tokens: list[int], context_len: int, table=BLOCK_TABLE) -> torch.Tensor:
@@ -128,22 +153,23 @@ def compare_batch_step(runner, step: DecodeBatchStep, tokens: list[int]) -> None
         batch.input_ids, batch.positions, BATCH_TABLES, [n + 1 for n in BATCH_LENS]
     ).float()
 
+    logits_bounds, cache_bounds = close_bounds(runner.kv_cache.buffer.dtype)
     assert logits.shape == expected.shape == (3, expected.shape[1])
-    torch.testing.assert_close(logits, expected, atol=0.25, rtol=0)
+    torch.testing.assert_close(logits, expected, **logits_bounds)
     torch.testing.assert_close(
-        runner.kv_cache.buffer.float(), expected_cache.float(), atol=0.1, rtol=1 / 64
+        runner.kv_cache.buffer.float(), expected_cache.float(), **cache_bounds
     )
     assert (runner.kv_cache.buffer != before).any(), "the step wrote no key or value"
 
 
-def test_the_batch_step_gives_the_torch_forwards_logits_and_cache(bf16_llm):
-    runner = bf16_llm.engine.runner
+def test_the_batch_step_gives_the_torch_forwards_logits_and_cache(batch_llm):
+    runner = batch_llm.engine.runner
     assert runner.decode_batch_step is not None
     compare_batch_step(runner, runner.decode_batch_step, [77, 120, 31])
 
 
-def test_the_batch_step_reads_only_a_sliding_windows_keys(bf16_llm, monkeypatch):
-    runner = bf16_llm.engine.runner
+def test_the_batch_step_reads_only_a_sliding_windows_keys(batch_llm, monkeypatch):
+    runner = batch_llm.engine.runner
     window = 12
     monkeypatch.setattr(runner.attention, "sliding_window", window)
     if runner.attention.cpu_decode is not None:
@@ -152,8 +178,8 @@ def test_the_batch_step_reads_only_a_sliding_windows_keys(bf16_llm, monkeypatch)
     compare_batch_step(runner, step, [8, 9, 10])
 
 
-def test_the_runner_takes_the_batch_step_for_decode_only_steps(bf16_llm, monkeypatch):
-    runner = bf16_llm.engine.runner
+def test_the_runner_takes_the_batch_step_for_decode_only_steps(batch_llm, monkeypatch):
+    runner = batch_llm.engine.runner
     path = runner.forward_path("decode_batch_step")
     step, calls = path.step, []
     monkeypatch.setattr(path, "step", lambda *args: calls.append(len(args[0])) or step(*args))
@@ -162,10 +188,10 @@ def test_the_runner_takes_the_batch_step_for_decode_only_steps(bf16_llm, monkeyp
     )
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    bf16_llm.generate([[5, 6, 7, 8], [9, 10, 11]], [params] * 2)
+    batch_llm.generate([[5, 6, 7, 8], [9, 10, 11]], [params] * 2)
 
     assert calls == [2, 2, 2]  # the prefill samples the first tokens; three decode steps
-    bf16_llm.engine.check_integrity()
+    batch_llm.engine.check_integrity()
 
 
 def test_no_compiled_step_where_a_part_cannot_run(tiny_llama_dir, tmp_path):
@@ -177,5 +203,7 @@ def test_no_compiled_step_where_a_part_cannot_run(tiny_llama_dir, tmp_path):
     qwen3_runner = LLM(str(qwen3), dtype="bfloat16", kv_cache_memory=1 << 26).engine.runner
     for runner in (fp32, fp8_cache, qwen3_runner):
         assert not isinstance(runner.one_token_step, OneTokenStep)
+    for runner in (fp8_cache, qwen3_runner):
         assert runner.decode_batch_step is None
     assert fp32.one_token_step is not None  # fp32's own (tests/engine/test_fp32_decode_step.py)
+    assert fp32.decode_batch_step is not None
