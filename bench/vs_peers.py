@@ -34,6 +34,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from pdserve.bench.peer_servers import (
@@ -175,17 +176,25 @@ def run_pdserve(key: str, args: argparse.Namespace, requests: dict, vocab: list[
     setup[name] = f"`{command}`"
     say(f"{name}: {command}")
     log = log_dir / f"{key}{'-preloaded' if preload else ''}.log"
+    launched = time.monotonic()
     try:  # --verbose: every process's log in one file, read for the paths its steps take
         server = ServeProcess([*serve_flags, "--verbose"], log_path=log, environment=environment)
     except RuntimeError as error:
         setup[name] += f"; did not start ({error})"
         say(f"{name}: the server did not start ({error})")
         return None
+    setup[f"{name}: ready after"] = ready_after(launched)
     try:
         return measure(name, server.url, server.process.pid, args, requests, vocab)
     finally:
         server.close()
         setup[f"{name}: decode paths"] = pdserve_paths(log)
+
+
+def ready_after(launched: float) -> str:
+    """How long a server took from its launch until it answered as ready (pdserve: /health;
+    a peer: /health and /v1/models), for the report's setup table."""
+    return f"{time.monotonic() - launched:.1f} s from launch (numba's cache as this machine had it)"
 
 
 def pdserve_row(key: str, preload: str | None) -> str:
@@ -224,6 +233,7 @@ def default_gguf(folder: Path) -> Path:
 def run_peer(key: str, args: argparse.Namespace, requests: dict, vocab: list[int],
              model_dir: Path, log_dir: Path, setup: dict[str, str]) -> dict[int, dict] | None:
     name = PEERS[key]
+    launched = time.monotonic()
     try:
         peer = start_peer(key, args, model_dir, log_dir)
     except (PeerMissing, OSError) as error:
@@ -231,6 +241,7 @@ def run_peer(key: str, args: argparse.Namespace, requests: dict, vocab: list[int
         say(f"{name}: not measured: {error}")
         return None
     setup[name] = f"`{peer.launch.describe()}`"
+    setup[f"{name}: ready after"] = ready_after(launched)
     if key == "llamacpp":
         setup[f"{name}: build"] = llamacpp_build(peer.url)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench import vs_peers
 from pdserve.bench.peer_servers import (
     PeerLaunch,
     PeerMissing,
@@ -21,7 +22,7 @@ from pdserve.bench.peer_servers import (
 )
 from pdserve.bench.serve_load import RequestTiming, summarize
 from pdserve.bench.server_processes import cpu_seconds, process_tree, tree_cpu_seconds
-from pdserve.bench.vs_peers import parse_args, pdserve_paths, start_peer
+from pdserve.bench.vs_peers import parse_args, pdserve_paths, run_peer, start_peer
 from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report, comparison_table
 from pdserve.wire.free_ports import free_port
 
@@ -112,6 +113,29 @@ def test_a_peer_is_ready_when_health_and_models_answer_and_close_ends_its_group(
         peer.close()
     assert peer.process.poll() is not None
     assert "GET /health" in (tmp_path / "p.log").read_text()
+
+
+def test_a_peers_time_from_launch_to_ready_is_in_the_setup(tmp_path, monkeypatch):
+    # the file server of the test above stands in for vLLM's port; its waves are not run
+    (tmp_path / "site" / "v1").mkdir(parents=True)
+    (tmp_path / "site" / "health").write_text("ok")
+    (tmp_path / "site" / "v1" / "models").write_text('{"data": []}')
+    port = free_port()
+    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+               "--directory", str(tmp_path / "site")]  # fmt: skip
+    monkeypatch.setattr(
+        vs_peers, "start_peer",
+        lambda *_: PeerServer("vLLM", PeerLaunch(command, {}), port, tmp_path / "p.log"),
+    )
+    monkeypatch.setattr(vs_peers, "measure", lambda *_: {1: {"done": 0}})
+    setup: dict[str, str] = {}
+    args = parse_args(["--servers", "vllm", "--quick"])
+
+    assert run_peer("vllm", args, {}, [], tmp_path, tmp_path, setup) == {1: {"done": 0}}
+
+    ready = setup["vLLM: ready after"]
+    seconds = float(ready.split(" s from launch")[0])
+    assert 0.0 < seconds < 120.0, ready
 
 
 def test_the_paths_a_pdserve_server_chose_come_from_its_log(tmp_path):
