@@ -194,7 +194,7 @@ def run_pdserve(key: str, args: argparse.Namespace, requests: dict, vocab: list[
 def ready_after(launched: float) -> str:
     """How long a server took from its launch until it answered as ready (pdserve: /health;
     a peer: /health and /v1/models), for the report's setup table."""
-    return f"{time.monotonic() - launched:.1f} s from launch (numba's cache as this machine had it)"
+    return f"{time.monotonic() - launched:.1f} s from launch"
 
 
 def pdserve_row(key: str, preload: str | None) -> str:
