@@ -97,14 +97,20 @@ def test_a_peer_that_exits_says_its_status_command_and_log(tmp_path):
     assert "exited with status 3" in text and "no such model" in text and "SystemExit" in text
 
 
-def test_a_peer_is_ready_when_health_and_models_answer_and_close_ends_its_group(tmp_path):
-    # Python's own file server, serving /health and /v1/models, stands in for a peer's port
-    (tmp_path / "site" / "v1").mkdir(parents=True)
-    (tmp_path / "site" / "health").write_text("ok")
-    (tmp_path / "site" / "v1" / "models").write_text('{"data": []}')
+def file_server(folder: Path) -> tuple[list[str], int]:
+    """Python's own file server, serving /health and /v1/models, to stand in for a peer's
+    port: its command and port."""
+    (folder / "site" / "v1").mkdir(parents=True)
+    (folder / "site" / "health").write_text("ok")
+    (folder / "site" / "v1" / "models").write_text('{"data": []}')
     port = free_port()
     command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-               "--directory", str(tmp_path / "site")]  # fmt: skip
+               "--directory", str(folder / "site")]  # fmt: skip
+    return command, port
+
+
+def test_a_peer_is_ready_when_health_and_models_answer_and_close_ends_its_group(tmp_path):
+    command, port = file_server(tmp_path)
     peer = PeerServer("llama.cpp", PeerLaunch(command, {"EXTRA": "1"}), port, tmp_path / "p.log")
     try:
         assert peer.url == f"http://127.0.0.1:{port}" and peer.process.poll() is None
@@ -116,13 +122,7 @@ def test_a_peer_is_ready_when_health_and_models_answer_and_close_ends_its_group(
 
 
 def test_a_peers_time_from_launch_to_ready_is_in_the_setup(tmp_path, monkeypatch):
-    # the file server of the test above stands in for vLLM's port; its waves are not run
-    (tmp_path / "site" / "v1").mkdir(parents=True)
-    (tmp_path / "site" / "health").write_text("ok")
-    (tmp_path / "site" / "v1" / "models").write_text('{"data": []}')
-    port = free_port()
-    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-               "--directory", str(tmp_path / "site")]  # fmt: skip
+    command, port = file_server(tmp_path)  # stands in for vLLM's port; no wave is run
     monkeypatch.setattr(
         vs_peers, "start_peer",
         lambda *_: PeerServer("vLLM", PeerLaunch(command, {}), port, tmp_path / "p.log"),
