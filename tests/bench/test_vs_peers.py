@@ -99,14 +99,20 @@ def test_a_peer_that_exits_says_its_status_command_and_log(tmp_path):
 
 def file_server(folder: Path) -> tuple[list[str], int]:
     """Python's own file server, serving /health and /v1/models, to stand in for a peer's
-    port: its command and port."""
+    port: its command and port. It takes SIGINT as a peer does, even where the shell that
+    started the tests ignores it (a background job's children inherit that), so `close` ends
+    it at once rather than after its 30 s grace."""
     (folder / "site" / "v1").mkdir(parents=True)
     (folder / "site" / "health").write_text("ok")
     (folder / "site" / "v1" / "models").write_text('{"data": []}')
     port = free_port()
-    command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-               "--directory", str(folder / "site")]  # fmt: skip
-    return command, port
+    serve = (
+        "import runpy, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"sys.argv = ['http.server', '{port}', '--bind', '127.0.0.1', '--directory', sys.argv[1]]\n"
+        "runpy.run_module('http.server', run_name='__main__')\n"
+    )
+    return [sys.executable, "-c", serve, str(folder / "site")], port
 
 
 def test_a_peer_is_ready_when_health_and_models_answer_and_close_ends_its_group(tmp_path):

@@ -5,8 +5,8 @@ this machine's, so that a path users run on other CPUs is tested on every machin
 tiny engines), and the fp32 decode batch step (the float32 cases of
 tests/engine/test_compiled_decode.py) run under AVX2, the instruction set of most CPUs without
 AVX-512. Each runs in a child pytest with NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set and a cache
-directory of its own, so every kernel is compiled for that target (a kernel's cache entry is
-keyed by its target too). The bf16 kernels need AVX512-BF16 (kernels/cpu_gemv.py) and turn
+directory of that CPU name's own, so every kernel is compiled for that target (a kernel's cache
+entry is keyed by its target too) and once for the targets that share it. The bf16 kernels need AVX512-BF16 (kernels/cpu_gemv.py) and turn
 themselves off under a named target: the engine keeps its torch path there, as on such a CPU.
 
 Inside the child, test_cpu_int8_linear.py checks the registers the int8 kernels were compiled
@@ -42,10 +42,13 @@ TARGETS = {
     platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets"
 )
 @pytest.mark.parametrize("target", sorted(TARGETS))
-def test_the_kernels_pass_their_tests_compiled_for(target, tmp_path):
+def test_the_kernels_pass_their_tests_compiled_for(target, tmp_path_factory):
     pytest.importorskip("numba")
     settings, files, selection = TARGETS[target]
-    env = {**os.environ, **settings, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    # one cache per target CPU: targets of the same instruction set share what they compile
+    cache = tmp_path_factory.getbasetemp() / f"numba-{settings['NUMBA_CPU_NAME']}"
+    tmp_path = tmp_path_factory.mktemp(target)
+    env = {**os.environ, **settings, "NUMBA_CACHE_DIR": str(cache)}
     child = subprocess.run(
         [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          *(["-k", selection] if selection else []), *(str(TESTS / name) for name in files)],
