@@ -3,8 +3,9 @@ first whose `can_run(batch)` holds runs it (`choose`).
 
   1. `GraphReplay` (cuda_graphs.py): a pure-decode step that fits a captured batch size;
   2. `OneTokenDecode` (one_token_step.py, fp32_one_token_step.py): one sequence decoding one
-     token, CPU bf16 (AVX512-BF16) or int8 weights;
-  3. `DecodeBatch` (decode_batch_step.py): a step of decodes only, CPU bf16;
+     token, CPU bf16 (AVX512-BF16), fp32 or int8 weights;
+  3. `DecodeBatch` (decode_batch_step.py): a step of decodes only, CPU bf16 or fp32 (int8
+     weights included);
   4. `ModelForward`: the model's own forward, which runs any batch (prefill chunks, mixed steps,
      prompt logprobs) and is always last.
 The runner builds the list once, with only the paths its model, device and cache can take. The
