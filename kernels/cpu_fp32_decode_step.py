@@ -7,7 +7,8 @@ Why. With int8 weights a batch-1 step of SmolLM2-135M reads 134 MB, ~5 ms at the
 of a 2-core server, and its linears (kernels/cpu_int8_linear.py) take about that; through torch
 the step took ~19 ms on a 2-core AMD EPYC, most of it the ~40 small torch ops per layer and
 their Python; compiled, it takes 6.5 ms. Here those ops are loops over a few hundred numbers
-inside one numba function, which calls the same linear kernel and the same paged decode
+inside one numba function (the norm, rope and residual adds of kernels/activation_ops.py, which
+the batch glue runs too), which calls the same linear kernel and the same paged decode
 attention kernel (kernels/cpu_decode_attention.py) as the torch path. fp32 weights go through
 the same linear kernel with every row's scale 1 (numba compiles the function once per weight
 type), so an fp32 model's step is exact but for the order of its sums.
@@ -35,7 +36,6 @@ tokens per chunk) and cached on disk like the other numba kernels.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -43,21 +43,13 @@ try:
     import numba
     from numba import njit
 
+    from pdserve.kernels.activation_ops import add_into, rms_norm, rope
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_int8_linear import one_token_kernel
 except ImportError:  # engine/runner/fp32_one_token_step.py reports the step unavailable
     numba = None
 
 if numba is not None:
-
-    @njit(inline="always")
-    def _rms_norm(x, weight, eps, out):
-        total = np.float32(0.0)
-        for i in range(x.shape[0]):
-            total += x[i] * x[i]
-        inverse = np.float32(1.0) / np.float32(math.sqrt(total / np.float32(x.shape[0]) + eps))
-        for i in range(x.shape[0]):
-            out[i] = x[i] * inverse * weight[i]
 
     def _decode_layers(
         hidden, input_norms, post_norms, eps, qkv_weights, qkv_scales, qkv_biases, o_weights,
@@ -82,30 +74,23 @@ if numba is not None:
         numba.literally(tokens_per_chunk)
         hidden_size = hidden.shape[1]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        half = head_dim // 2
         block_size = key_caches[0].shape[2]
         position = seq_len[0] - 1
         block, slot = block_table[0, position // block_size], position % block_size
         normed = np.empty((1, hidden_size), np.float32)
         projected = np.empty((1, hidden_size), np.float32)
         qkv = np.empty((1, q_size + 2 * kv_size), np.float32)
-        rotated = np.empty(head_dim, np.float32)
         query = np.empty((1, num_heads, head_dim), np.float32)
         attended = np.empty((1, num_heads, head_dim), np.float32)
         gate_up = np.empty((1, gate_up_weights[0].shape[0]), np.float32)  # every layer's size
         intermediate = gate_up.shape[1] // 2
         activated = np.empty((1, intermediate), np.float32)
         for layer in range(len(qkv_weights)):
-            _rms_norm(hidden[0], input_norms[layer], eps, normed[0])
+            rms_norm(hidden[0], input_norms[layer], eps, normed[0])
             one_token_kernel(
                 qkv_weights[layer], qkv_scales[layer], normed, qkv_biases[layer], qkv, threads
             )
-            for head in range(num_heads + num_kv_heads):  # rope on q and k
-                start = head * head_dim
-                for d in range(head_dim):
-                    rotated[d] = qkv[0, start + (d + half) % head_dim] * signed_sin[d]
-                for d in range(head_dim):
-                    qkv[0, start + d] = qkv[0, start + d] * cos[d] + rotated[d]
+            rope(qkv[0], 0, num_heads + num_kv_heads, head_dim, cos, signed_sin)  # q and k
             keys, values = key_caches[layer], value_caches[layer]
             for kv_head in range(num_kv_heads):
                 for d in range(head_dim):
@@ -124,9 +109,8 @@ if numba is not None:
                 o_weights[layer], o_scales[layer], attended.reshape(1, q_size), o_biases[layer],
                 projected, threads,
             )
-            for i in range(hidden_size):
-                hidden[0, i] += projected[0, i]
-            _rms_norm(hidden[0], post_norms[layer], eps, normed[0])
+            add_into(hidden[0], projected[0])
+            rms_norm(hidden[0], post_norms[layer], eps, normed[0])
             one_token_kernel(
                 gate_up_weights[layer], gate_up_scales[layer], normed, gate_up_biases[layer],
                 gate_up, threads,
@@ -140,8 +124,7 @@ if numba is not None:
                 down_weights[layer], down_scales[layer], activated, down_biases[layer], projected,
                 threads,
             )
-            for i in range(hidden_size):
-                hidden[0, i] += projected[0, i]
+            add_into(hidden[0], projected[0])
 
     try:
         decode_layers_kernel = njit(cache=True)(_decode_layers)
