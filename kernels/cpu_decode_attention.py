@@ -64,10 +64,10 @@ from pdserve.kernels.numba_threads import run_parallel
 try:
     import numba
     from numba import njit, prange, types
-    from numba.extending import intrinsic, overload
+    from numba.extending import overload
 
     from pdserve.kernels.cpu_attention_chunk import attention_chunk
-    from pdserve.kernels.llvm_prefetch import emit_prefetch
+    from pdserve.kernels.llvm_prefetch import prefetch_element
 except ImportError:  # the engine falls back to its gather path
     numba = None
 
@@ -130,28 +130,17 @@ if numba is not None:
             return widened_fp8
         return None
 
-    @intrinsic
-    def _prefetch(typingctx, array, offset):
-        """Asks the CPU to bring the cache line holding array.flat[offset] into its caches
-        (llvm.prefetch: a hint, never a fault). The blocks of a sequence lie anywhere in the
-        cache, so the hardware prefetchers cannot guess the next one: measured with the cache
-        out of the CPU's caches (as in a decode step, after the layer's weights), fetching the
-        next block while scoring this one made a call 20-30% faster."""
-
-        def codegen(context, builder, signature, args):
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            emit_prefetch(builder, builder.gep(data, [args[1]]))
-            return context.get_dummy_value()
-
-        return types.void(array, offset), codegen
-
     @njit(inline="always")
     def _prefetch_block(key_cache, value_cache, block, kv_head):
+        """The blocks of a sequence lie anywhere in the cache, so the hardware prefetchers
+        cannot guess the next one: measured with the cache out of the CPU's caches (as in a
+        decode step, after the layer's weights), fetching the next block while scoring this one
+        made a call 20-30% faster."""
         block_size, dim = key_cache.shape[2], key_cache.shape[3]
         first = (block * key_cache.shape[1] + kv_head) * block_size * dim
         for offset in range(first, first + block_size * dim, 64 // key_cache.itemsize):
-            _prefetch(key_cache, offset)
-            _prefetch(value_cache, offset)
+            prefetch_element(key_cache, offset)
+            prefetch_element(value_cache, offset)
 
     def _decode_loops(
         q, key_cache, value_cache, block_tables, seq_lens, window, key_scale, value_scale,

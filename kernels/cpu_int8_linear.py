@@ -18,9 +18,15 @@ order of the fp32 sums.
 How. The rows of the weight are split over numba's threads in contiguous runs. For one token
 each thread reads its rows one after the other, widening each int8 to fp32 into one running
 sum per row (LLVM vectorizes the loop for the host's widest registers; fastmath lets it reorder
-the sum): one sequential stream per thread, which the hardware prefetcher follows. Reading four
-rows at once instead ran at 15 GB/s against 22-24 GB/s on the default model's weights
-(2-core AMD EPYC): there the kernel is bound by widening and multiplying, not by memory.
+the sum): one sequential stream per thread. Reading four rows at once instead ran at 15 GB/s
+against 22-24 GB/s on the default model's weights (2-core AMD EPYC). Before each row the thread
+asks for the cache lines PREFETCH_BYTES ahead (llvm.prefetch): without it a thread's stream
+waited on each row's lines. On a 2-core Intel Xeon held to AVX2, both threads reading 106 MB of
+int8 rows of 576 went from 12-17 GB/s to 28-32 GB/s with 8 KiB ahead (4 KiB: 19-21 GB/s, 16 KiB:
+28-30, 32-64 KiB: 20-31), 425 MB of fp32 rows from 25-26 to 30-31 GB/s; the batch-1 decode step
+of the default model went from 14.3 to 10.1 ms in int8 and from 33.1 to 27.2 ms in fp32
+(bench/results/offline_prefetch_*). The many-token loop below gained nothing from it (2-16
+tokens, bound by multiplying), so it has none.
 For more tokens each thread widens a block's four rows once into its own small fp32 buffer (it
 stays in the core's first-level cache) and multiplies two tokens' rows of x by it at a time:
 eight running sums, which fit AVX2's sixteen registers with the loads. The weight is still
@@ -44,11 +50,14 @@ try:
     import numba
     from numba import njit, prange
 
+    from pdserve.kernels.llvm_prefetch import prefetch_element
     from pdserve.kernels.numba_threads import run_parallel
 except ImportError:  # engine/layers/int8_weight.py dequantizes instead
     numba = None
 
 ROWS_PER_BLOCK = 4
+PREFETCH_BYTES = 8192  # how far ahead of its row a thread of the one-token loop asks for lines
+CACHE_LINE_BYTES = 64
 
 
 def reference(
@@ -64,8 +73,12 @@ if numba is not None:
         """num_chunks: one per thread, each a contiguous run of rows read one row at a time."""
         num_rows, in_features = weight.shape
         per_chunk = (num_rows + num_chunks - 1) // num_chunks
+        ahead = PREFETCH_BYTES // weight.itemsize
+        line = CACHE_LINE_BYTES // weight.itemsize
         for chunk in prange(num_chunks):
             for row in range(chunk * per_chunk, min(num_rows, (chunk + 1) * per_chunk)):
+                for index in range(row * in_features, (row + 1) * in_features, line):
+                    prefetch_element(weight, index + ahead)
                 total = np.float32(0.0)
                 for i in range(in_features):
                     total += np.float32(weight[row, i]) * x[0, i]

@@ -1,11 +1,13 @@
 """A software prefetch for the numba kernels' generated code (cpu_decode_attention.py,
-cpu_gemv.py): LLVM's llvm.prefetch on one address, a hint that never faults, even past the end
-of an array. Imported only where numba (and so llvmlite) is."""
+cpu_gemv.py, cpu_int8_linear.py): LLVM's llvm.prefetch on one address, a hint that never
+faults, even past the end of an array. Imported only where numba (and so llvmlite) is."""
 
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value) -> None:
@@ -20,3 +22,16 @@ def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value) -> None:
     )
     read, keep_in_all_levels, data_cache = (ir.Constant(i32, n) for n in (0, 3, 1))
     builder.call(function, [address, read, keep_in_all_levels, data_cache])
+
+
+@intrinsic
+def prefetch_element(typingctx, array, index):
+    """From numba code: asks the CPU to bring the cache line holding array.flat[index] (a
+    C-contiguous array) into its caches. Any index is safe: a prefetch never faults."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        emit_prefetch(builder, builder.gep(data, [args[1]]))
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen

@@ -106,3 +106,23 @@ def test_the_kernels_use_the_vectors_numba_compiles_for_and_no_wider():
         assembly = "".join(fresh.inspect_asm().values())
         assert ("%zmm" in assembly) <= ("avx512f" in targeted)
         assert ("%ymm" in assembly) == ("avx2" in targeted or "avx512f" in targeted)
+
+
+def test_the_one_token_loop_asks_for_its_rows_ahead_and_the_many_token_loop_does_not():
+    """The one-token loop's prefetch (PREFETCH_BYTES) is in its machine code, whatever the
+    instruction set (x86's prefetcht0, ARM's prfm); the many-token loop, which measured no gain
+    from it, has none."""
+    import numba
+
+    from pdserve.kernels import cpu_int8_linear
+
+    def prefetches(kernel) -> bool:
+        fresh = numba.njit(parallel=True, fastmath=True)(kernel.py_func)
+        weight, scale = np.ones((8, 64), np.int8), np.ones(8, np.float32)
+        x, out = np.ones((2, 64), np.float32), np.empty((2, 8), np.float32)
+        fresh(weight, scale, x, np.zeros(0, np.float32), out, 2)
+        assembly = "".join(fresh.inspect_asm().values())
+        return "prefetcht0" in assembly or "prfm" in assembly
+
+    assert prefetches(cpu_int8_linear.one_token_kernel)
+    assert not prefetches(cpu_int8_linear.many_tokens_kernel)
