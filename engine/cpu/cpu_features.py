@@ -12,11 +12,15 @@ Detection asks torch first (`torch.cpu._is_amx_tile_supported()` and
 `_is_avx512_bf16_supported()`, private helpers that also check that the OS enabled the AMX
 registers; every CPU with AMX tiles so far has AMX-BF16), and reads the `flags` line of
 /proc/cpuinfo when this torch lacks them. A CPU it cannot read (macOS, another architecture)
-counts as having neither.
+counts as having neither. oneDNN, which runs the matmuls, may be held below the CPU
+(`ONEDNN_MAX_CPU_ISA=AVX2`, as when a bigger CPU stands in for an AVX2 one): then it packs no
+bf16 weight, and the instructions count as absent (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`
+says so, honouring the cap).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -33,19 +37,21 @@ class CpuFeatures:
     amx_bf16: bool
     avx512_bf16: bool
     source: str = "unknown"
+    onednn_capped: bool = False  # oneDNN held below the CPU's bf16 instructions
 
     @property
     def native_bf16_matmul(self) -> bool:
-        return self.amx_bf16 or self.avx512_bf16
+        return (self.amx_bf16 or self.avx512_bf16) and not self.onednn_capped
 
     @property
     def bf16_support(self) -> str:
         """What an operator reads in the engine's dtype log line."""
-        if self.amx_bf16:
-            return "AMX-BF16 detected"
-        if self.avx512_bf16:
-            return "AVX512-BF16 detected"
-        return "no native bf16 matmul on this CPU"
+        found = "AMX-BF16" if self.amx_bf16 else "AVX512-BF16" if self.avx512_bf16 else None
+        if found is None:
+            return "no native bf16 matmul on this CPU"
+        if self.onednn_capped:
+            return f"{found} detected, but oneDNN is held below it (ONEDNN_MAX_CPU_ISA)"
+        return f"{found} detected"
 
 
 def features_from_cpuinfo(text: str) -> CpuFeatures:
@@ -66,11 +72,17 @@ def detect_cpu_features() -> CpuFeatures:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     if amx is not None and avx512_bf16 is not None:
-        return CpuFeatures(bool(amx()), bool(avx512_bf16()), "torch")
-    try:
-        return features_from_cpuinfo(CPUINFO.read_text())
-    except OSError:
-        return CpuFeatures(False, False)
+        features = CpuFeatures(bool(amx()), bool(avx512_bf16()), "torch")
+    else:
+        try:
+            features = features_from_cpuinfo(CPUINFO.read_text())
+        except OSError:
+            features = CpuFeatures(False, False)
+    onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    found = features.amx_bf16 or features.avx512_bf16
+    if found and onednn_bf16 is not None and not onednn_bf16():
+        return dataclasses.replace(features, onednn_capped=True)
+    return features
 
 
 def usable_cores() -> int:

@@ -17,6 +17,7 @@ CPU = torch.device("cpu")
 AMX = CpuFeatures(amx_bf16=True, avx512_bf16=True)
 AVX512_BF16 = CpuFeatures(amx_bf16=False, avx512_bf16=True)
 NO_BF16 = CpuFeatures(amx_bf16=False, avx512_bf16=False)
+AMX_UNDER_AVX2_ONEDNN = CpuFeatures(amx_bf16=True, avx512_bf16=True, onednn_capped=True)
 
 
 @pytest.mark.parametrize(
@@ -25,8 +26,13 @@ NO_BF16 = CpuFeatures(amx_bf16=False, avx512_bf16=False)
         (AMX, torch.bfloat16, "AMX-BF16 detected"),
         (AVX512_BF16, torch.bfloat16, "AVX512-BF16 detected"),
         (NO_BF16, torch.float32, "no native bf16 matmul on this CPU"),
+        (
+            AMX_UNDER_AVX2_ONEDNN,
+            torch.float32,
+            "AMX-BF16 detected, but oneDNN is held below it (ONEDNN_MAX_CPU_ISA)",
+        ),
     ],
-    ids=["amx", "avx512-bf16", "zen3-like"],
+    ids=["amx", "avx512-bf16", "zen3-like", "amx-onednn-held-to-avx2"],
 )
 @pytest.mark.parametrize("config_dtype", [None, torch.float32, torch.float16, torch.bfloat16])
 def test_auto_on_the_cpu_is_bf16_only_with_native_bf16_matmuls(cpu, dtype, reason, config_dtype):
@@ -111,3 +117,30 @@ def test_the_engine_logs_its_dtype_and_why_once(tiny_llama_dir, caplog):
     assert lines == [f"dtype {name}: auto on the CPU, {detect_cpu_features().bf16_support}"]
     assert llm.engine.runner.dtype == expected
     assert llm.engine.runner.kv_cache.spec.dtype == expected
+
+
+def test_a_onednn_held_below_the_cpus_bf16_instructions_makes_auto_fp32_and_packs_fp32(tmp_path):
+    """In a child process with ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN then refuses to pack bf16
+    weights): auto is fp32 whatever the CPU, and the engine loads and answers."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.testing.tiny_models import save_tiny_model
+
+    folder = save_tiny_model("llama", tmp_path / "tiny")
+    script = (
+        "from pdserve.engine import LLM, SamplingParams\n"
+        "from pdserve.engine.cpu.cpu_features import detect_cpu_features\n"
+        f"llm = LLM({str(folder)!r}, device='cpu', num_kv_blocks=8)\n"
+        "out = llm.generate([[5, 6, 7]], [SamplingParams(max_tokens=2, temperature=0.0)])\n"
+        "print(llm.engine.runner.dtype, detect_cpu_features().native_bf16_matmul,"
+        " len(out[0].token_ids))\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    child = subprocess.run(
+        [sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True,
+        timeout=600, check=False,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split()[-3:] == ["torch.float32", "False", "2"], child.stdout
