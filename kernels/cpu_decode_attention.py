@@ -67,7 +67,7 @@ try:
     from numba.extending import overload
 
     from pdserve.kernels.cpu_attention_chunk import attention_chunk
-    from pdserve.kernels.llvm_prefetch import prefetch_element
+    from pdserve.kernels.llvm_prefetch import CACHE_LINE_BYTES, prefetch_element
 except ImportError:  # the engine falls back to its gather path
     numba = None
 
@@ -138,7 +138,7 @@ if numba is not None:
         made a call 20-30% faster."""
         block_size, dim = key_cache.shape[2], key_cache.shape[3]
         first = (block * key_cache.shape[1] + kv_head) * block_size * dim
-        for offset in range(first, first + block_size * dim, 64 // key_cache.itemsize):
+        for offset in range(first, first + block_size * dim, CACHE_LINE_BYTES // key_cache.itemsize):
             prefetch_element(key_cache, offset)
             prefetch_element(value_cache, offset)
 

@@ -50,14 +50,13 @@ try:
     import numba
     from numba import njit, prange
 
-    from pdserve.kernels.llvm_prefetch import prefetch_element
+    from pdserve.kernels.llvm_prefetch import CACHE_LINE_BYTES, prefetch_element
     from pdserve.kernels.numba_threads import run_parallel
 except ImportError:  # engine/layers/int8_weight.py dequantizes instead
     numba = None
 
 ROWS_PER_BLOCK = 4
 PREFETCH_BYTES = 8192  # how far ahead of its row a thread of the one-token loop asks for lines
-CACHE_LINE_BYTES = 64
 
 
 def reference(

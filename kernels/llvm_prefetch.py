@@ -9,6 +9,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+CACHE_LINE_BYTES = 64  # what one prefetch brings in, on every CPU numba targets here
+
 
 def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value) -> None:
     """Asks the CPU to bring the cache line at `pointer` into all its cache levels, for a read."""

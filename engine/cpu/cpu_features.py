@@ -40,15 +40,20 @@ class CpuFeatures:
     onednn_capped: bool = False  # oneDNN held below the CPU's bf16 instructions
 
     @property
+    def bf16_instructions(self) -> bool:
+        """Whether the CPU has either (whatever oneDNN may use)."""
+        return self.amx_bf16 or self.avx512_bf16
+
+    @property
     def native_bf16_matmul(self) -> bool:
-        return (self.amx_bf16 or self.avx512_bf16) and not self.onednn_capped
+        return self.bf16_instructions and not self.onednn_capped
 
     @property
     def bf16_support(self) -> str:
         """What an operator reads in the engine's dtype log line."""
-        found = "AMX-BF16" if self.amx_bf16 else "AVX512-BF16" if self.avx512_bf16 else None
-        if found is None:
+        if not self.bf16_instructions:
             return "no native bf16 matmul on this CPU"
+        found = "AMX-BF16" if self.amx_bf16 else "AVX512-BF16"
         if self.onednn_capped:
             return f"{found} detected, but oneDNN is held below it (ONEDNN_MAX_CPU_ISA)"
         return f"{found} detected"
@@ -79,8 +84,7 @@ def detect_cpu_features() -> CpuFeatures:
         except OSError:
             features = CpuFeatures(False, False)
     onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    found = features.amx_bf16 or features.avx512_bf16
-    if found and onednn_bf16 is not None and not onednn_bf16():
+    if features.bf16_instructions and onednn_bf16 is not None and not onednn_bf16():
         return dataclasses.replace(features, onednn_capped=True)
     return features
 

@@ -119,20 +119,19 @@ def test_the_engine_logs_its_dtype_and_why_once(tiny_llama_dir, caplog):
     assert llm.engine.runner.kv_cache.spec.dtype == expected
 
 
-def test_a_onednn_held_below_the_cpus_bf16_instructions_makes_auto_fp32_and_packs_fp32(tmp_path):
+def test_a_onednn_held_below_the_cpus_bf16_instructions_makes_auto_fp32_and_packs_fp32(
+    tiny_llama_dir,
+):
     """In a child process with ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN then refuses to pack bf16
     weights): auto is fp32 whatever the CPU, and the engine loads and answers."""
     import os
     import subprocess
     import sys
 
-    from pdserve.testing.tiny_models import save_tiny_model
-
-    folder = save_tiny_model("llama", tmp_path / "tiny")
     script = (
         "from pdserve.engine import LLM, SamplingParams\n"
         "from pdserve.engine.cpu.cpu_features import detect_cpu_features\n"
-        f"llm = LLM({str(folder)!r}, device='cpu', num_kv_blocks=8)\n"
+        f"llm = LLM({str(tiny_llama_dir)!r}, device='cpu', num_kv_blocks=8)\n"
         "out = llm.generate([[5, 6, 7]], [SamplingParams(max_tokens=2, temperature=0.0)])\n"
         "print(llm.engine.runner.dtype, detect_cpu_features().native_bf16_matmul,"
         " len(out[0].token_ids))\n"

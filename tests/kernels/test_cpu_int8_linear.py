@@ -77,6 +77,18 @@ def test_a_linear_packed_as_int8_answers_in_its_input_dtype_for_any_leading_shap
         Linear(8, 8, bias=False).pack("int4")
 
 
+def fresh_assembly(kernel) -> str:
+    """The machine code of an int8 kernel compiled afresh on a small weight, two tokens (a
+    kernel loaded from numba's cache has no assembly)."""
+    import numba
+
+    fresh = numba.njit(parallel=True, fastmath=True)(kernel.py_func)
+    weight, scale = np.ones((8, 64), np.int8), np.ones(8, np.float32)
+    x, out = np.ones((2, 64), np.float32), np.empty((2, 8), np.float32)
+    fresh(weight, scale, x, np.zeros(0, np.float32), out, 2)
+    return "".join(fresh.inspect_asm().values())
+
+
 def test_the_kernels_use_the_vectors_numba_compiles_for_and_no_wider():
     """The instruction set numba targets (the host's, or NUMBA_CPU_NAME / NUMBA_CPU_FEATURES
     as tests/kernels/test_instruction_sets.py sets them) decides the registers: 256-bit ones
@@ -98,12 +110,7 @@ def test_the_kernels_use_the_vectors_numba_compiles_for_and_no_wider():
     else:
         targeted = {name for name, on in binding.get_host_cpu_features().items() if on}
     for kernel in (cpu_int8_linear.one_token_kernel, cpu_int8_linear.many_tokens_kernel):
-        fresh = numba.njit(parallel=True, fastmath=True)(kernel.py_func)
-        weight = np.ones((8, 64), np.int8)
-        scale, x = np.ones(8, np.float32), np.ones((2, 64), np.float32)
-        arguments = (weight, scale, x, np.zeros(0, np.float32), np.empty((2, 8), np.float32))
-        fresh(*arguments, 2)
-        assembly = "".join(fresh.inspect_asm().values())
+        assembly = fresh_assembly(kernel)
         assert ("%zmm" in assembly) <= ("avx512f" in targeted)
         assert ("%ymm" in assembly) == ("avx2" in targeted or "avx512f" in targeted)
 
@@ -112,16 +119,10 @@ def test_the_one_token_loop_asks_for_its_rows_ahead_and_the_many_token_loop_does
     """The one-token loop's prefetch (PREFETCH_BYTES) is in its machine code, whatever the
     instruction set (x86's prefetcht0, ARM's prfm); the many-token loop, which measured no gain
     from it, has none."""
-    import numba
-
     from pdserve.kernels import cpu_int8_linear
 
     def prefetches(kernel) -> bool:
-        fresh = numba.njit(parallel=True, fastmath=True)(kernel.py_func)
-        weight, scale = np.ones((8, 64), np.int8), np.ones(8, np.float32)
-        x, out = np.ones((2, 64), np.float32), np.empty((2, 8), np.float32)
-        fresh(weight, scale, x, np.zeros(0, np.float32), out, 2)
-        assembly = "".join(fresh.inspect_asm().values())
+        assembly = fresh_assembly(kernel)
         return "prefetcht0" in assembly or "prfm" in assembly
 
     assert prefetches(cpu_int8_linear.one_token_kernel)
