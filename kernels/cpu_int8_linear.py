@@ -1,22 +1,23 @@
 """A linear layer whose weight is stored as int8 with one fp32 scale per output row (weight-only
-quantization: `--quantization int8`), for the few tokens of a decode step on any CPU, compiled
-by numba for the host's vector instructions (AVX2, AVX-512, NEON alike).
+quantization: `--quantization int8`), for one token (a batch-1 decode step) on any CPU, compiled
+by numba for the host's vector instructions (AVX2, AVX-512, NEON alike). Two tokens and more go
+through the panels of kernels/cpu_panel_linear.py.
 
-Why. A decode step of a few sequences reads every weight once, so its linears are bound by the
-weights' bytes. int8 has a quarter of fp32's bytes: SmolLM2-135M's linears read 134 MB a step
+Why. A batch-1 decode step reads every weight once, so its linears are bound by the weights'
+bytes. int8 has a quarter of fp32's bytes: SmolLM2-135M's linears read 134 MB a step
 instead of 537 MB.
 
 The same compiled code multiplies an fp32 weight given with scales of one (numba compiles it
 once per weight type): engine/layers/linear.py's `Fp32OneTokenWeight` runs one-token fp32
 forwards through it, exact but for the order of the sums.
 
-What it computes, for x [tokens, in] fp32:
+What it computes, for x [1, in] fp32 (t = 0):
     y[t, o] = scale[o] * sum_i(weight[o, i] * x[t, i]) + bias[o]
 the same as `reference` (the torch reference below: dequantize, then `F.linear`) up to the
 order of the fp32 sums.
 
-How. The rows of the weight are split over numba's threads in contiguous runs. For one token
-each thread reads its rows one after the other, widening each int8 to fp32 into one running
+How. The rows of the weight are split over numba's threads in contiguous runs. Each thread
+reads its rows one after the other, widening each int8 to fp32 into one running
 sum per row (LLVM vectorizes the loop for the host's widest registers; fastmath lets it reorder
 the sum): one sequential stream per thread. Reading four rows at once instead ran at 15 GB/s
 against 22-24 GB/s on the default model's weights (2-core AMD EPYC). Before each row the thread
@@ -25,19 +26,12 @@ waited on each row's lines. On a 2-core Intel Xeon held to AVX2, both threads re
 int8 rows of 576 went from 12-17 GB/s to 28-32 GB/s with 8 KiB ahead (4 KiB: 19-21 GB/s, 16 KiB:
 28-30, 32-64 KiB: 20-31), 425 MB of fp32 rows from 25-26 to 30-31 GB/s; the batch-1 decode step
 of the default model went from 14.3 to 10.1 ms in int8 and from 33.1 to 27.2 ms in fp32
-(bench/results/offline_prefetch_*). The many-token loop below gained nothing from it (2-16
-tokens, bound by multiplying), so it has none.
-For more tokens each thread widens a block's four rows once into its own small fp32 buffer (it
-stays in the core's first-level cache) and multiplies two tokens' rows of x by it at a time:
-eight running sums, which fit AVX2's sixteen registers with the loads. The weight is still
-read from memory once per call, whatever the number of tokens.
+(bench/results/offline_prefetch_*).
 
 Measured on a 2-core AMD EPYC (Zen 4): one round of the default model's 121 matrices at one
 token, weights from memory, 7.7 ms against 23.2 ms for oneDNN's prepacked fp32 matmul (the
 engine's exact path, engine/layers/linear.py) and 12.8 ms for its bf16 one, side by side in
-`python -m pdserve.bench.gemv_b1` (bench/results/gemv_b1_epyc_zen4.md). At the default model's
-shapes, 2 to 16 tokens ran at 0.85-1.4x oneDNN fp32's speed and 64 tokens at 0.85-0.95x, where
-oneDNN's register-blocked kernel is bound by computing and this one nearly so (one ad hoc run).
+`python -m pdserve.bench.gemv_b1` (bench/results/gemv_b1_epyc_zen4.md).
 """
 
 from __future__ import annotations
@@ -55,7 +49,6 @@ try:
 except ImportError:  # engine/layers/int8_weight.py dequantizes instead
     numba = None
 
-ROWS_PER_BLOCK = 4
 PREFETCH_BYTES = 8192  # how far ahead of its row a thread of the one-token loop asks for lines
 
 
@@ -85,44 +78,6 @@ if numba is not None:
                 if bias.shape[0] != 0:
                     out[0, row] += bias[row]
 
-    def _many_tokens(weight, scale, x, bias, out, num_chunks):
-        """num_chunks: one per thread; each widens its blocks into one buffer of its own."""
-        num_rows, in_features = weight.shape
-        tokens = x.shape[0]
-        num_blocks = (num_rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK
-        per_chunk = (num_blocks + num_chunks - 1) // num_chunks
-        for chunk in prange(num_chunks):
-            widened = np.zeros((ROWS_PER_BLOCK, in_features), np.float32)
-            for block in range(chunk * per_chunk, min(num_blocks, (chunk + 1) * per_chunk)):
-                first = block * ROWS_PER_BLOCK
-                rows = min(ROWS_PER_BLOCK, num_rows - first)
-                for r in range(rows):
-                    for i in range(in_features):
-                        widened[r, i] = np.float32(weight[first + r, i])
-                token = 0
-                while token < tokens:  # two tokens at a time: 8 sums fit AVX2's 16 registers
-                    other = min(token + 1, tokens - 1)  # the last token alone: computed twice
-                    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-                    for i in range(in_features):
-                        x0, x1 = x[token, i], x[other, i]
-                        w0, w1, w2, w3 = widened[0, i], widened[1, i], widened[2, i], widened[3, i]
-                        a0 += w0 * x0
-                        a1 += w1 * x0
-                        a2 += w2 * x0
-                        a3 += w3 * x0
-                        b0 += w0 * x1
-                        b1 += w1 * x1
-                        b2 += w2 * x1
-                        b3 += w3 * x1
-                    sums = ((a0, a1, a2, a3), (b0, b1, b2, b3))
-                    for t in range(other - token + 1):
-                        for r in range(rows):
-                            value = sums[t][r] * scale[first + r]
-                            if bias.shape[0] != 0:
-                                value += bias[first + r]
-                            out[token + t, first + r] = value
-                    token += 2
-
     def _jit(function):
         try:
             return njit(cache=True, parallel=True, fastmath=True)(function)
@@ -130,19 +85,21 @@ if numba is not None:
             return njit(parallel=True, fastmath=True)(function)
 
     one_token_kernel = _jit(_one_token)
-    many_tokens_kernel = _jit(_many_tokens)
 
 
 def int8_linear(
     weight: np.ndarray, scale: np.ndarray, x: torch.Tensor, bias: np.ndarray
 ) -> torch.Tensor:
-    """x [tokens, in] fp32 -> [tokens, out] fp32, `weight` [out, in] int8 and `scale` [out]
+    """x [1, in] fp32 -> [1, out] fp32, `weight` [out, in] int8 (or fp32) and `scale` [out]
     fp32 numpy views, `bias` [out] fp32 (empty for none). Unchecked: engine/layers/int8_weight.py
-    checks once, when it quantizes the weight."""
+    checks once, when it quantizes the weight; more tokens go through kernels/cpu_panel_linear.py."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the row-major loop takes one token, got {x.shape[0]}")
     x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    kernel = one_token_kernel if x.shape[0] == 1 else many_tokens_kernel
-    run_parallel(kernel, weight, scale, x.numpy(), bias, out.numpy(), torch.get_num_threads())
+    out = torch.empty(1, weight.shape[0], dtype=torch.float32)
+    run_parallel(
+        one_token_kernel, weight, scale, x.numpy(), bias, out.numpy(), torch.get_num_threads()
+    )
     return out
 
 

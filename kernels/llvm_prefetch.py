@@ -1,5 +1,5 @@
 """A software prefetch for the numba kernels' generated code (cpu_decode_attention.py,
-cpu_gemv.py, cpu_int8_linear.py): LLVM's llvm.prefetch on one address, a hint that never
+cpu_gemv.py, cpu_int8_linear.py, cpu_panel_linear.py): LLVM's llvm.prefetch on one address, a hint that never
 faults, even past the end of an array. Imported only where numba (and so llvmlite) is."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from numba.extending import intrinsic
 CACHE_LINE_BYTES = 64  # what one prefetch brings in, on every CPU numba targets here
 
 
-def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value) -> None:
-    """Asks the CPU to bring the cache line at `pointer` into all its cache levels, for a read."""
+def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value, locality: int = 3) -> None:
+    """Asks the CPU to bring the cache line at `pointer` into its caches, for a read: into all
+    levels (locality 3: x86's prefetcht0), or all but the first (2: prefetcht1)."""
     address = builder.bitcast(pointer, ir.IntType(8).as_pointer())
     i32 = ir.IntType(32)
     suffix = "p0" if getattr(address.type, "is_opaque", False) else "p0i8"
@@ -22,8 +23,8 @@ def emit_prefetch(builder: ir.IRBuilder, pointer: ir.Value) -> None:
         ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]),
         f"llvm.prefetch.{suffix}",
     )
-    read, keep_in_all_levels, data_cache = (ir.Constant(i32, n) for n in (0, 3, 1))
-    builder.call(function, [address, read, keep_in_all_levels, data_cache])
+    read, data_cache = ir.Constant(i32, 0), ir.Constant(i32, 1)
+    builder.call(function, [address, read, ir.Constant(i32, locality), data_cache])
 
 
 @intrinsic

@@ -1,6 +1,7 @@
 """A linear layer's weight quantized to int8 when the model loads (`--quantization int8`:
-weight-only, symmetric, one scale per output row), multiplied by the CPU kernel of
-kernels/cpu_int8_linear.py.
+weight-only, symmetric, one scale per output row), multiplied by the CPU kernels of
+kernels/cpu_int8_linear.py (one token, the weight row-major) and kernels/cpu_panel_linear.py
+(two tokens and more, a copy packed in panels: engine/layers/panel_weight.py).
 
     scale[o] = max_i |w[o, i]| / 127        (1.0 for a row of zeros)
     q[o, i]  = round(w[o, i] / scale[o])    in [-127, 127]
@@ -12,7 +13,8 @@ rounding costs in accuracy is measured and bounded in tests/engine/test_int8_wei
 
 Lifecycle: `Int8Weight.quantize` (from `Linear.pack`, once the checkpoint's weight is loaded;
 the full-precision weight is then dropped), then one `__call__` per forward for any number of
-tokens. CPU only: the model runner refuses `quantization="int8"` on CUDA
+tokens. The panel copy doubles the int8 bytes held (134 MB more on the default model); a
+forward reads one of the two. CPU only: the model runner refuses `quantization="int8"` on CUDA
 (engine/runner/model_runner.py).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdserve.engine.layers.panel_weight import PanelWeight
 from pdserve.kernels import cpu_int8_linear
 
 QMAX = 127
@@ -36,6 +39,7 @@ class Int8Weight:
         self._bias_array = (
             np.zeros(0, np.float32) if self.bias is None else self.bias.numpy()
         )
+        self.panels = PanelWeight.for_weight(quantized, scale, self.bias)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Weight:
@@ -50,7 +54,8 @@ class Int8Weight:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes a forward streams: the int8 weight, its scales and the bias."""
+        """Bytes a forward streams: the int8 weight (or its panels, as many bytes but for the
+        padding of a last panel), its scales and the bias."""
         total = self.quantized.numel() + self.scale.numel() * 4
         return total + (0 if self.bias is None else self.bias.numel() * 4)
 
@@ -61,7 +66,9 @@ class Int8Weight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] of any float dtype -> [..., out] in x's dtype."""
         rows = x.reshape(-1, x.shape[-1]).float()
-        if cpu_int8_linear.int8_kernel_available():
+        if self.panels is not None and rows.shape[0] > 1:
+            out = self.panels(rows)
+        elif cpu_int8_linear.int8_kernel_available():
             out = cpu_int8_linear.int8_linear(
                 self.quantized.numpy(), self.scale.numpy(), rows, self._bias_array
             )

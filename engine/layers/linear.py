@@ -58,6 +58,7 @@ from torch import nn
 from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.cpu.cpu_features import detect_cpu_features
 from pdserve.engine.layers.int8_weight import Int8Weight
+from pdserve.engine.layers.panel_weight import PanelWeight
 
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
@@ -168,10 +169,12 @@ def one_token_weight(
 class Linear(nn.Module):
     """`dtype` None is torch's default dtype; the weight is left uninitialized (it is loaded).
 
-    Lifecycle: built, loaded (`load`), then packed once (`pack`) into one of three forms: a
-    oneDNN-prepacked weight (with a row-major copy for one-token steps where a kernel for it
-    runs: bf16 with AVX512-BF16, fp32 with numba), an int8 weight (`pack("int8")`:
-    engine/layers/int8_weight.py), or the loaded weight as it is for `F.linear`."""
+    Lifecycle: built, loaded (`load`), then packed once (`pack`) into one of four forms: fp32
+    panels for two tokens and more with a row-major copy for one token (fp32 on the CPU where
+    numba runs: engine/layers/panel_weight.py), a oneDNN-prepacked weight (with a row-major
+    copy for one-token steps where a kernel for it runs: bf16 with AVX512-BF16), an int8
+    weight (`pack("int8")`: engine/layers/int8_weight.py), or the loaded weight as it is for
+    `F.linear`."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None = None
@@ -182,6 +185,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.panels: PanelWeight | None = None
         self.one_token: OneTokenWeight | Fp32OneTokenWeight | None = None
         self.int8: Int8Weight | None = None
 
@@ -190,6 +194,8 @@ class Linear(nn.Module):
             return self.int8(x)
         if self.one_token is not None and x.dim() == 2 and x.shape[0] == 1:
             return self.one_token(x)
+        if self.panels is not None:
+            return self.panels(x)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
@@ -202,7 +208,12 @@ class Linear(nn.Module):
         streams the row-major copy instead: as many bytes)."""
         if self.int8 is not None:
             return self.int8.num_bytes
-        weight = self.packed_weight if self.packed_weight is not None else self.weight
+        if self.panels is not None:
+            weight = self.panels.panels
+        elif self.packed_weight is not None:
+            weight = self.packed_weight
+        else:
+            weight = self.weight
         total = weight.numel() * weight.element_size()
         if self.bias is not None:
             total += self.bias.numel() * self.bias.element_size()
@@ -218,6 +229,14 @@ class Linear(nn.Module):
             self.weight = None
         elif quantization is not None:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+        elif self.weight.dtype == torch.float32 and (
+            panels := PanelWeight.for_weight(
+                self.weight.data, torch.ones(self.out_features), self.bias
+            )
+        ):
+            self.panels = panels
+            self.one_token = one_token_weight(self.weight, self.bias)
+            self.weight = None
         elif onednn_packing_available(self.weight):
             self.one_token = one_token_weight(self.weight, self.bias)
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)

@@ -308,12 +308,19 @@ class LlamaForCausalLM(nn.Module):
         self._pack_linears()
 
     def _pack_linears(self) -> None:
-        """Packs (or quantizes) every linear, then moves the one-token copies (if any) into one
-        buffer on huge pages, each at a 64-byte boundary."""
+        """Packs (or quantizes) every linear, then moves the one-token copies and the panels
+        (if any) into one buffer on huge pages, each at a 64-byte boundary."""
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         for module in linears:
             module.pack(self.quantization)
-        copies = [module.one_token for module in linears if module.one_token is not None]
+        copies = [
+            copy
+            for module in linears
+            for copy in (
+                module.one_token, module.panels, module.int8 and module.int8.panels
+            )
+            if copy is not None
+        ]
         if not copies:
             return
         starts = [0]

@@ -1,6 +1,6 @@
-"""The int8 weight-only linear (kernels/cpu_int8_linear.py, engine/layers/int8_weight.py) against
-its torch reference: every token count the kernel has a path for (one token, pairs, an odd last
-token, a prefill chunk), row counts that are not a multiple of its blocks of four, with and
+"""The int8 weight-only linear (kernels/cpu_int8_linear.py for one token, the panels of
+kernels/cpu_panel_linear.py for more, engine/layers/int8_weight.py choosing) against its torch
+reference: one token, a few, a prefill chunk, row counts that fill no whole panel, with and
 without a bias; and the quantization itself (scales, range, rounding error, zero rows).
 tests/kernels/test_instruction_sets.py runs this file again with numba compiling for other
 instruction sets."""
@@ -27,17 +27,29 @@ def quantized(rows: int, columns: int, seed: int) -> Int8Weight:
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 17, 130])
 @pytest.mark.parametrize("rows,columns", [(8, 64), (13, 96), (962, 576), (5, 1536)])
-def test_the_kernel_equals_the_torch_reference(tokens, rows, columns):
+def test_the_kernels_equal_the_torch_reference(tokens, rows, columns):
     weight = quantized(rows, columns, seed=rows * 1000 + tokens)
     x = torch.randn(tokens, columns, generator=torch.Generator().manual_seed(tokens))
-    for bias in (weight.bias, None):
-        expected = reference(weight.quantized, weight.scale, x, bias)
-        words = np.zeros(0, np.float32) if bias is None else bias.numpy()
-        got = int8_linear(weight.quantized.numpy(), weight.scale.numpy(), x, words)
-        assert got.shape == (tokens, rows)
-        # only the order of the fp32 sums differs: a few ulps of the largest partial sums
-        tolerance = 1e-5 * float((x.abs() @ weight.dequantized().abs().T).max())
-        assert float((got - expected).abs().max()) <= tolerance
+    # only the order of the fp32 sums differs: a few ulps of the largest partial sums
+    tolerance = 1e-5 * float((x.abs() @ weight.dequantized().abs().T).max())
+    expected = reference(weight.quantized, weight.scale, x, weight.bias)
+    assert weight.panels is not None  # the engine's path for two tokens and more
+    got = weight(x)
+    assert got.shape == (tokens, rows)
+    assert float((got - expected).abs().max()) <= tolerance
+    if tokens == 1:  # the row-major loop, which the compiled one-token step runs too
+        for bias in (weight.bias, None):
+            expected = reference(weight.quantized, weight.scale, x, bias)
+            words = np.zeros(0, np.float32) if bias is None else bias.numpy()
+            got = int8_linear(weight.quantized.numpy(), weight.scale.numpy(), x, words)
+            assert float((got - expected).abs().max()) <= tolerance
+
+
+def test_the_row_major_loop_refuses_more_than_one_token():
+    weight = quantized(8, 64, seed=0)
+    with pytest.raises(ValueError, match="one token"):
+        int8_linear(weight.quantized.numpy(), weight.scale.numpy(), torch.ones(2, 64),
+                    np.zeros(0, np.float32))
 
 
 def test_quantization_keeps_every_row_within_half_a_step_with_one_scale_per_row():
@@ -78,8 +90,8 @@ def test_a_linear_packed_as_int8_answers_in_its_input_dtype_for_any_leading_shap
 
 
 def fresh_assembly(kernel) -> str:
-    """The machine code of an int8 kernel compiled afresh on a small weight, two tokens (a
-    kernel loaded from numba's cache has no assembly)."""
+    """The machine code of an int8 kernel compiled afresh on a small weight (a kernel loaded
+    from numba's cache has no assembly)."""
     import numba
 
     fresh = numba.njit(parallel=True, fastmath=True)(kernel.py_func)
@@ -109,21 +121,15 @@ def test_the_kernels_use_the_vectors_numba_compiles_for_and_no_wider():
         targeted = {f[1:] for f in numba.config.CPU_FEATURES.split(",") if f.startswith("+")}
     else:
         targeted = {name for name, on in binding.get_host_cpu_features().items() if on}
-    for kernel in (cpu_int8_linear.one_token_kernel, cpu_int8_linear.many_tokens_kernel):
-        assembly = fresh_assembly(kernel)
-        assert ("%zmm" in assembly) <= ("avx512f" in targeted)
-        assert ("%ymm" in assembly) == ("avx2" in targeted or "avx512f" in targeted)
+    assembly = fresh_assembly(cpu_int8_linear.one_token_kernel)
+    assert ("%zmm" in assembly) <= ("avx512f" in targeted)
+    assert ("%ymm" in assembly) == ("avx2" in targeted or "avx512f" in targeted)
 
 
-def test_the_one_token_loop_asks_for_its_rows_ahead_and_the_many_token_loop_does_not():
+def test_the_one_token_loop_asks_for_its_rows_ahead():
     """The one-token loop's prefetch (PREFETCH_BYTES) is in its machine code, whatever the
-    instruction set (x86's prefetcht0, ARM's prfm); the many-token loop, which measured no gain
-    from it, has none."""
+    instruction set (x86's prefetcht0, ARM's prfm)."""
     from pdserve.kernels import cpu_int8_linear
 
-    def prefetches(kernel) -> bool:
-        assembly = fresh_assembly(kernel)
-        return "prefetcht0" in assembly or "prfm" in assembly
-
-    assert prefetches(cpu_int8_linear.one_token_kernel)
-    assert not prefetches(cpu_int8_linear.many_tokens_kernel)
+    assembly = fresh_assembly(cpu_int8_linear.one_token_kernel)
+    assert "prefetcht0" in assembly or "prfm" in assembly

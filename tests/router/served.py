@@ -1,10 +1,9 @@
 """The router's app served on its own uvicorn configuration (router/__main__.py), in a thread,
-on a free port in 21100-21199: what a client meets on the router's connections."""
+on a free port: what a client meets on the router's connections."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -12,19 +11,7 @@ import httpx
 import uvicorn
 
 from pdserve.router.__main__ import uvicorn_config
-
-PORTS = range(21100, 21200)
-
-
-def free_port() -> int:
-    for port in PORTS:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS}")
+from pdserve.wire.free_ports import free_port
 
 
 @contextlib.contextmanager
