@@ -1,19 +1,18 @@
 """The linears of a decode batch and of a prefill chunk, by tokens: pdserve's panels
 (kernels/cpu_panel_linear.py, the engine's fp32 and int8 path for two tokens and more) against
-torch's own CPU kernels for the same weights, side by side in one run.
+oneDNN's prepacked fp32 matmul for the same weights, side by side in one run.
 
 A round multiplies a [tokens, in] input by every decoder weight of the model once (per layer
 q|k|v, o, gate|up, down; the LM head left out, as a step multiplies only the last token of each
-sequence by it), weights from memory as in a real step. Kernels, fp32 weights:
-  - oneDNN's prepacked matmul (`torch.ops.mkldnn._linear_pointwise`: the engine's fp32 path
-    before panels, and still where numba is missing),
-  - pdserve's panels, every scale 1;
-int8 weights (one scale per output row):
-  - torch's `_weight_int8pack_mm` (fp32 inputs and scales),
-  - pdserve's panels.
-Each number is the best of `--rounds` rounds, the kernels interleaved in every round (on a
-shared machine a burst of another process then stalls all of them, not one). GF/s counts two
-operations per weight and token.
+sequence by it), weights from memory as in a real step. Kernels:
+  - oneDNN's prepacked fp32 matmul (`torch.ops.mkldnn._linear_pointwise`: the engine's fp32
+    path before panels, and still where numba is missing),
+  - pdserve's panels of the fp32 weights, every scale 1,
+  - pdserve's panels of the weights quantized to int8 (one scale per output row).
+torch's own int8 weight-only kernel (`_weight_int8pack_mm`) is no peer here: it took 1.5 s a
+round at 16 tokens, 30x the panels' time. Each number is the best of `--rounds` rounds, the
+kernels interleaved in every round (on a shared machine a burst of another process then stalls
+all of them, not one). GF/s counts two operations per weight and token.
 
     python -m pdserve.bench.linear_batches    # writes bench/results/linear_batches.md
     python -m pdserve.bench.linear_batches --quick    # a smoke run; writes nothing
@@ -60,15 +59,6 @@ def _fp32_panels(weight: torch.Tensor) -> tuple:
     return cpu_panel_linear.pack_panels(weight).numpy(), np.ones(weight.shape[0], np.float32)
 
 
-def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    int8 = Int8Weight.quantize(weight, None)
-    return int8.quantized, int8.scale
-
-
-def _int8_rows_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
-    return torch.ops.aten._weight_int8pack_mm(x, *operand)
-
-
 def _int8_panels(weight: torch.Tensor) -> tuple:
     int8 = Int8Weight.quantize(weight, None)
     return cpu_panel_linear.pack_panels(int8.quantized).numpy(), int8.scale.numpy()
@@ -81,7 +71,6 @@ def _panels_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
 KERNELS = (
     ("fp32", Kernel("oneDNN prepacked", _onednn, _onednn_call)),
     ("fp32", Kernel("pdserve panels", _fp32_panels, _panels_call)),
-    ("int8", Kernel("torch _weight_int8pack_mm", _int8_rows, _int8_rows_call)),
     ("int8", Kernel("pdserve panels", _int8_panels, _panels_call)),
 )
 
@@ -123,10 +112,10 @@ def build_report(args, machine, model_name, shapes, tokens, best) -> str:
         (f"Weights: the decoder linears of `{model_name}` ({len(shapes)} matrices, "
          f"{params / 1e6:.1f} M parameters, no LM head); a round multiplies a [tokens, in] "
          f"input by each once. Best of {args.rounds} rounds, kernels interleaved; ms a round "
-         "(GF/s). The ratio is the panels' speed over torch's kernel's for the same weights."),
+         "(GF/s). The ratios are each kind of panels' speed over oneDNN's."),
         "",
         "| tokens | " + " | ".join(f"{d} {k.name}" for d, k in KERNELS)
-        + " | fp32 ratio | int8 ratio |",
+        + " | fp32 panels / oneDNN | int8 panels / oneDNN |",
         "|---" * (len(KERNELS) + 3) + "|",
     ]
     for count in tokens:
@@ -134,13 +123,8 @@ def build_report(args, machine, model_name, shapes, tokens, best) -> str:
         for dtype, kernel in KERNELS:
             seconds = best[(dtype, kernel.name, count)]
             cells.append(f"{seconds * 1e3:.1f} ({2 * params * count / seconds / 1e9:.0f})")
-        ratios = [
-            best[(dtype, torch_kernel.name, count)] / best[(dtype, panels.name, count)]
-            for dtype, (torch_kernel, panels) in (
-                ("fp32", (KERNELS[0][1], KERNELS[1][1])),
-                ("int8", (KERNELS[2][1], KERNELS[3][1])),
-            )
-        ]
+        onednn = best[("fp32", KERNELS[0][1].name, count)]
+        ratios = [onednn / best[(dtype, kernel.name, count)] for dtype, kernel in KERNELS[1:]]
         lines.append(
             f"| {count} | " + " | ".join(cells) + " | "
             + " | ".join(f"{r:.2f}x" for r in ratios) + " |"
@@ -153,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.linear_batches")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to time"

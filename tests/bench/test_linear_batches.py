@@ -1,5 +1,5 @@
 """bench/linear_batches.py: every kernel it times computes the same product, and the report's
-rates and ratios follow from the timings."""
+ratios follow from the timings."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_report_rates_and_ratios_follow_from_the_round_times():
     best = measure(shapes, (2,), rounds=1, seed=0)
     assert len(best) == len(KERNELS) and all(0 < s < 10 for s in best.values())
     fake = {key: 1e-3 for key in best}
-    fake[("fp32", "oneDNN prepacked", 2)] = 2e-3  # the panels twice as fast in fp32
+    fake[("fp32", "oneDNN prepacked", 2)] = 2e-3  # both panels twice as fast
+    fake[("int8", "pdserve panels", 2)] = 0.5e-3  # int8's four times
     text = build_report(argparse.Namespace(rounds=1), {"cpu": "x"}, "m", shapes, (2,), fake)
     # 4,096 parameters x 2 tokens x 2 operations in 1 ms: 0.016 GF/s, printed as 0
-    assert "| 2 | 2.0 (0) | 1.0 (0) | 1.0 (0) | 1.0 (0) | 2.00x | 1.00x |" in text
+    assert "| 2 | 2.0 (0) | 1.0 (0) | 0.5 (0) | 2.00x | 4.00x |" in text
