@@ -14,7 +14,7 @@ compiles each kernel once per activation type:
   `add_norm_rows`          residual add, then the post-attention norm
   [the MLP]
   `add_norm_rows`          residual add, then the next layer's input norm (or the final norm)
-The linears stay the model's own (oneDNN's prepacked matmuls or int8 weights:
+The linears stay the model's own (panels, or oneDNN's prepacked matmuls for bf16:
 engine/layers/linear.py), called from Python, and the MLP keeps torch's SiLU between its two:
 vectorized, it beat this file's scalar SiLU (libm's exp per element) by 2-4% of `make bench`'s
 throughput, where compiling the rope into `rope_store_attend` gained 1-2% over torch's rope ops.

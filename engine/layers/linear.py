@@ -1,9 +1,12 @@
 """Linear layers: weights load in HF's [out, in] layout, then `pack()` converts them once into
 the layout of the fastest kernel for the device.
 
-On the CPU (fp32) that is oneDNN's prepacked matmul: measured on this project's 2-core CPU
-against the model's own shapes, it runs decode steps 2x faster than MKL's matmul at batch 8 to
-64, and matrix-vector products (batch 1) 15% faster. Elsewhere `F.linear` is already the best.
+On the CPU (fp32) that is pdserve's panels where numba runs (engine/layers/panel_weight.py:
+1.24-1.53x oneDNN's prepacked matmul at 2 to 16 tokens, 0.96x at a 512-token prefill chunk,
+bench/results/linear_batches_*.md), else oneDNN's prepacked matmul: measured on this project's
+2-core CPU against the model's own shapes, it runs decode steps 2x faster than MKL's matmul at
+batch 8 to 64, and matrix-vector products (batch 1) 15% faster. Elsewhere `F.linear` is already
+the best.
 
 bf16 weights are prepacked too, on a CPU with native bf16 matmuls (engine/cpu/cpu_features.py;
 elsewhere oneDNN has no fast bf16 kernel and `F.linear` stays). Measured on a 2-core Xeon with

@@ -1,7 +1,8 @@
 """A step of decoding sequences only (one token each), on the CPU in bf16 or fp32, with the
 small ops between the linears compiled (kernels/cpu_decode_glue.py): per layer three compiled
-calls, the linears (oneDNN's prepacked matmuls, or int8 weights) and the MLP's SiLU in torch,
-in place of about forty torch ops and their Python.
+calls, the linears (engine/layers/linear.py: panels for fp32 and int8 weights, oneDNN's prepacked
+matmuls for bf16) and the MLP's SiLU in torch, in place of about forty torch ops and their
+Python.
 
 `DecodeBatchStep.for_model` returns None unless every part it replaces has its compiled kernel:
 a bf16 or fp32 Llama-family model on the CPU on one rank, no q/k norms (Qwen3 keeps the torch
