@@ -101,7 +101,7 @@ def measure(
 def build_report(args, machine, model_name, shapes, tokens, best) -> str:
     params = sum(out * inp for out, inp in shapes)
     lines = [
-        "# Linears by tokens: pdserve's panels against torch's CPU kernels",
+        "# Linears by tokens: pdserve's panels against oneDNN's fp32 matmul",
         "",
         f"Command: `{command_line()}`",
         "",

@@ -1,14 +1,14 @@
-"""A linear layer for the tokens of a decode batch on any CPU (2 to a few hundred tokens): the
+"""A linear layer for two tokens and more (decode batches, prefill chunks) on any CPU: the
 weight packed in panels of 16 output rows stored input-major, multiplied by a register-blocked
 loop of pdserve's own, compiled by numba for the host's vectors (AVX2, AVX-512, NEON alike).
 
-Why. A decode step of 16 sequences multiplies 16 tokens by every weight: on a CPU without
-AVX-512 that is bound by multiplying, not by reading. oneDNN's prepacked fp32 matmul (the
-engine's batch path) ran the default model's linears at 16 tokens at about a third of the
-machine's fp32 multiply-add rate (2-core Intel Xeon held to AVX2), and the row-major loop of
-kernels/cpu_int8_linear.py, which widens four rows and multiplies two tokens by them, at about
-half: its running sums are reduced across vector lanes at the end of every row pair, and every
-multiply-add loads both of its operands.
+Why. A decode step of 16 sequences multiplies 16 tokens by every weight. On the default model's
+120 decoder matrices at 16 tokens (2-core Intel Xeon held to AVX2), oneDNN's prepacked fp32
+matmul (the engine's batch path before) took 47-50 ms and the row-major many-token loop of
+kernels/cpu_int8_linear.py (since removed) 49-50 ms, where reading the 425 MB of fp32 weights
+takes ~18 ms at the machine's 23 GB/s and their multiply-adds ~27 ms at the rate this kernel
+reaches on int8 weights (128 GFLOP/s): bound by neither, each waited for memory and then
+multiplied, the two not overlapping.
 
 How. For each output panel, a block of up to TOKENS_PER_BLOCK tokens keeps one vector of
 PANEL_ROWS running sums per token in registers (six tokens: twelve 8-lane AVX2 registers, six
@@ -17,8 +17,13 @@ contiguous 64-byte line in fp32, 16 bytes in int8, widened to fp32 in registers)
 products with each token's input, broadcast, into that token's sums (LLVM's fmuladd: one fused
 multiply-add where the CPU has them). No lanes are reduced: each lane is one output. The
 panel (16 x in: 36 KiB at in=576) stays in the core's caches while the next blocks of tokens
-reuse it, so the weight is read from memory once per call; the panels are split over numba's
-threads in contiguous runs.
+reuse it, so the weight is read from memory once per pass; the panels are split over numba's
+threads in contiguous runs, and TOKENS_PER_PASS tokens go through all of a thread's panels
+before the next ones (their inputs stay in the core's second-level cache).
+While its blocks multiply, a panel asks for the next panel's lines into the second-level cache
+(llvm.prefetch), spread evenly over all of its blocks' steps, so reading overlaps multiplying.
+At 16 tokens, same machine: 51 ms without asking, 38 ms asking in the first block only (its
+steps then wait on the requests), 28.6 ms spread over the blocks.
 
 What it computes, for x [tokens, in] fp32:
     y[t, o] = scale[o] * sum_i(weight[o, i] * x[t, i]) + bias[o]
@@ -26,7 +31,8 @@ as kernels/cpu_int8_linear.py's `reference`, up to the order of the fp32 sums (h
 order, fused). An fp32 weight is given with every scale 1.
 
 A weight whose rows are not a multiple of PANEL_ROWS gets a last panel padded with zeros
-(whose outputs are computed and dropped). Compiled on first use and cached on disk like the other numba kernels.
+(whose outputs are computed and dropped). Compiled on first use and cached on disk like the
+other numba kernels. Side by side with oneDNN: `python -m pdserve.bench.linear_batches`.
 """
 
 from __future__ import annotations

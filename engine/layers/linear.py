@@ -2,7 +2,7 @@
 the layout of the fastest kernel for the device.
 
 On the CPU (fp32) that is pdserve's panels where numba runs (engine/layers/panel_weight.py:
-1.24-1.53x oneDNN's prepacked matmul at 2 to 16 tokens, 0.96x at a 512-token prefill chunk,
+1.34-1.64x oneDNN's prepacked matmul at 2 to 16 tokens, 0.84x at a 512-token prefill chunk,
 bench/results/linear_batches_*.md), else oneDNN's prepacked matmul: measured on this project's
 2-core CPU against the model's own shapes, it runs decode steps 2x faster than MKL's matmul at
 batch 8 to 64, and matrix-vector products (batch 1) 15% faster. Elsewhere `F.linear` is already

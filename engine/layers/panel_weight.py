@@ -3,17 +3,17 @@ tokens and more on the CPU: fp32 weights (engine/layers/linear.py, in place of o
 prepacked matmul) and int8 ones (engine/layers/int8_weight.py, in place of a row-major loop).
 
 Why. Measured side by side on the default model's 120 decoder matrices (2-core Intel Xeon held
-to AVX2, weights from memory, best of 5), milliseconds per round by tokens:
+to AVX2, weights from memory, `python -m pdserve.bench.linear_batches`,
+bench/results/linear_batches_xeon_amx_as_avx2.md), ms a round by tokens:
 
-    tokens                       2      16      64     128     512
-    fp32 oneDNN prepacked     24.9    47.5   114.4   194.9   681.4
-    fp32 panels               17.5    28.6    90.6   182.3   729.0
-    int8 row-major loop       15.4    37.6   113.8       -  1410.8
-    int8 panels                6.9    26.5   100.3   202.1   831.0
+    tokens                      2      16      64     128     512
+    fp32 oneDNN prepacked    26.2    49.9   116.7   196.4   693.6
+    fp32 panels              19.6    30.5    99.7   177.7   821.3
+    int8 panels               7.3    27.8   105.7   198.8   888.2
 
-Panels multiply 16 tokens 1.66x faster than oneDNN in fp32 and 1.42x faster than the row-major
-loop in int8; a 512-token prefill chunk runs at 0.93x oneDNN's speed in fp32 (and 1.7x the
-row-major loop's in int8). One-token forwards keep their row-major copies (linear.py's
+Panels multiply 16 tokens 1.64x faster than oneDNN in fp32; a 512-token prefill chunk runs at
+0.84x its speed. The row-major int8 loop they replace took 37.6 ms at 16 tokens in a run of
+the same hour. One-token forwards keep their row-major copies (linear.py's
 `Fp32OneTokenWeight`, the int8 weight itself), which the compiled one-token step reads.
 
 Lifecycle: built once from the loaded weight ([out, in] fp32, or int8 with its scales), moved
