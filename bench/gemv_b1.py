@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.bandwidth import measure_bandwidth
-from pdserve.bench.machine import command_line, load_average, machine_info
+from pdserve.bench.machine import load_average, machine_info, report_head
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -186,6 +186,17 @@ def model_shapes(config: dict) -> list[tuple[int, int]]:
     return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
 
 
+def model_weight_shapes(model: str | None) -> tuple[Path, list[tuple[int, int]]]:
+    """The model's folder (the default model's when None) and `model_shapes` of its config."""
+    if model is None:
+        from pdserve.model_store.default_model import ensure_default_model
+
+        model_path = ensure_default_model()
+    else:
+        model_path = Path(model)
+    return model_path, model_shapes(json.loads((model_path / "config.json").read_text()))
+
+
 @torch.inference_mode()
 def measure(shapes: list[tuple[int, int]], rounds: int, seed: int) -> list[tuple[Kernel, float]]:
     """Best round time of each kernel, rounds interleaved across kernels."""
@@ -212,14 +223,7 @@ def measure(shapes: list[tuple[int, int]], rounds: int, seed: int) -> list[tuple
 def build_report(args, machine, model_name, shapes, bandwidth, timings) -> str:
     params = sum(out * inp for out, inp in shapes)
     lines = [
-        "# Batch-1 matrix-vector products: torch's CPU kernels vs the read bandwidth",
-        "",
-        f"Command: `{command_line()}`",
-        "",
-        "| machine |  |",
-        "|---|---|",
-        *(f"| {key} | {value} |" for key, value in machine.items()),
-        "",
+        *report_head("Batch-1 matrix-vector products: torch's CPU kernels vs the read bandwidth", machine),
         (f"Weights: the linear layers and LM head of `{model_name}` ({len(shapes)} matrices, "
         f"{params / 1e6:.1f} M parameters), one round = each multiplied once by a [1, in] vector"
         f"; best of {args.rounds} interleaved rounds. Read bandwidth in the same run: sum "
@@ -255,14 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from pdserve.model_store.default_model import ensure_default_model
-
-        model_path = ensure_default_model()
-    else:
-        model_path = Path(args.model)
-    config = json.loads((model_path / "config.json").read_text())
-    shapes = model_shapes(config)
+    model_path, shapes = model_weight_shapes(args.model)
     if args.quick:
         shapes, args.rounds = shapes[:4] + shapes[-1:], 1
     machine = machine_info()

@@ -21,7 +21,6 @@ all of them, not one). GF/s counts two operations per weight and token.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.bench.gemv_b1 import model_shapes
-from pdserve.bench.machine import command_line, load_average, machine_info
+from pdserve.bench.gemv_b1 import model_weight_shapes
+from pdserve.bench.machine import load_average, machine_info, report_head
 from pdserve.engine.layers.int8_weight import Int8Weight
 from pdserve.kernels import cpu_panel_linear
 
@@ -101,14 +100,7 @@ def measure(
 def build_report(args, machine, model_name, shapes, tokens, best) -> str:
     params = sum(out * inp for out, inp in shapes)
     lines = [
-        "# Linears by tokens: pdserve's panels against oneDNN's fp32 matmul",
-        "",
-        f"Command: `{command_line()}`",
-        "",
-        "| machine |  |",
-        "|---|---|",
-        *(f"| {key} | {value} |" for key, value in machine.items()),
-        "",
+        *report_head("Linears by tokens: pdserve's panels against oneDNN's fp32 matmul", machine),
         (f"Weights: the decoder linears of `{model_name}` ({len(shapes)} matrices, "
          f"{params / 1e6:.1f} M parameters, no LM head); a round multiplies a [tokens, in] "
          f"input by each once. Best of {args.rounds} rounds, kernels interleaved; ms a round "
@@ -150,14 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from pdserve.model_store.default_model import ensure_default_model
-
-        model_path = ensure_default_model()
-    else:
-        model_path = Path(args.model)
-    config = json.loads((model_path / "config.json").read_text())
-    shapes = model_shapes(config)[:-1]  # no LM head
+    model_path, shapes = model_weight_shapes(args.model)
+    shapes = shapes[:-1]  # no LM head
     tokens = tuple(args.tokens)
     if args.quick:
         shapes, tokens, args.rounds = shapes[:4], tokens[:2], 1

@@ -66,6 +66,20 @@ def machine_info() -> dict[str, str]:
     }
 
 
+def report_head(title: str, machine: dict[str, str]) -> list[str]:
+    """A Markdown report's first lines: its title, the command that wrote it, the machine."""
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        "| machine |  |",
+        "|---|---|",
+        *(f"| {key} | {value} |" for key, value in machine.items()),
+        "",
+    ]
+
+
 def load_average() -> str:
     """1-minute load average: other processes on this small machine skew every number."""
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
