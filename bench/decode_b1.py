@@ -63,7 +63,7 @@ def linear_calls(model: torch.nn.Module) -> list[Callable[[], torch.Tensor]]:
     calls: list[Callable[[], torch.Tensor]] = []
     for module in model.modules():
         if isinstance(module, Linear):
-            if module.int8 is not None or module.panels is not None:  # fp32 activations
+            if module.quantized is not None or module.panels is not None:  # fp32 activations
                 dtype = torch.float32
             elif module.packed_weight is not None:
                 dtype = module.packed_weight.dtype

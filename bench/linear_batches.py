@@ -1,6 +1,7 @@
 """The linears of a decode batch and of a prefill chunk, by tokens: pdserve's panels
-(kernels/cpu_panel_linear.py, the engine's fp32 and int8 path for two tokens and more) against
-oneDNN's prepacked fp32 matmul for the same weights, side by side in one run.
+(kernels/cpu_panel_linear.py, the engine's fp32 and int8 path for two tokens and more; and
+kernels/cpu_int4_linear.py's 4-bit ones, its path for any count) against oneDNN's prepacked fp32
+matmul for the same weights, side by side in one run.
 
 A round multiplies a [tokens, in] input by every decoder weight of the model once (per layer
 q|k|v, o, gate|up, down; the LM head left out, as a step multiplies only the last token of each
@@ -8,7 +9,8 @@ sequence by it), weights from memory as in a real step. Kernels:
   - oneDNN's prepacked fp32 matmul (`torch.ops.mkldnn._linear_pointwise`: the engine's fp32
     path before panels, and still where numba is missing),
   - pdserve's panels of the fp32 weights, every scale 1,
-  - pdserve's panels of the weights quantized to int8 (one scale per output row).
+  - pdserve's panels of the weights quantized to int8 (one scale per output row),
+  - pdserve's 4-bit panels (a scale and minimum per row and 32 inputs, inputs rounded to int8).
 torch's own int8 weight-only kernel (`_weight_int8pack_mm`) is no peer here: it took 1.5 s a
 round at 16 tokens, 30x the panels' time. Each number is the best of `--rounds` rounds, the
 kernels interleaved in every round (on a shared machine a burst of another process then stalls
@@ -32,7 +34,7 @@ import torch
 from pdserve.bench.gemv_b1 import model_weight_shapes
 from pdserve.bench.machine import load_average, machine_info, report_head
 from pdserve.engine.layers.int8_weight import Int8Weight
-from pdserve.kernels import cpu_panel_linear
+from pdserve.kernels import cpu_int4_linear, cpu_panel_linear
 
 RESULTS = Path(__file__).parent / "results"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
@@ -67,10 +69,19 @@ def _panels_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
     return cpu_panel_linear.panel_linear(operand[0], operand[1], x, NO_BIAS)
 
 
+def _int4_panels(weight: torch.Tensor) -> tuple:
+    return cpu_int4_linear.pack(*cpu_int4_linear.quantize(weight)).numpy(), weight.shape[0]
+
+
+def _int4_call(x: torch.Tensor, operand: tuple) -> torch.Tensor:
+    return cpu_int4_linear.int4_linear(operand[0], x, NO_BIAS, operand[1])
+
+
 KERNELS = (
     ("fp32", Kernel("oneDNN prepacked", _onednn, _onednn_call)),
     ("fp32", Kernel("pdserve panels", _fp32_panels, _panels_call)),
     ("int8", Kernel("pdserve panels", _int8_panels, _panels_call)),
+    ("int4", Kernel("pdserve panels", _int4_panels, _int4_call)),
 )
 
 
@@ -106,9 +117,9 @@ def build_report(args, machine, model_name, shapes, tokens, best) -> str:
          f"input by each once. Best of {args.rounds} rounds, kernels interleaved; ms a round "
          "(GF/s). The ratios are each kind of panels' speed over oneDNN's."),
         "",
-        "| tokens | " + " | ".join(f"{d} {k.name}" for d, k in KERNELS)
-        + " | fp32 panels / oneDNN | int8 panels / oneDNN |",
-        "|---" * (len(KERNELS) + 3) + "|",
+        "| tokens | " + " | ".join(f"{d} {k.name}" for d, k in KERNELS) + " | "
+        + " | ".join(f"{d} panels / oneDNN" for d, _ in KERNELS[1:]) + " |",
+        "|---" * (2 * len(KERNELS) + 1) + "|",
     ]
     for count in tokens:
         cells = []

@@ -19,8 +19,8 @@ prompt lengths uniform in [32, 512] and output lengths uniform in [16, 256], dra
 ``--seed``. Every request produces exactly its ``max_tokens`` (EOS is ignored), so "useful
 output tokens" is the sum of the requests' ``max_tokens`` for every system.
 
-With ``--quantization int8`` pdserve's linear weights are int8 (transformers keeps the model's,
-so parity is not expected). Also measured: pdserve's batch-1 decode step time against the read roofline (weight bytes a
+With ``--quantization int8`` (or ``int4``) pdserve's linear weights are int8 (or 4-bit;
+transformers keeps the model's, so parity is not expected). Also measured: pdserve's batch-1 decode step time against the read roofline (weight bytes a
 decode step streams / the read bandwidth measured in the same run, the better of a streaming sum
 and a large GEMV; see ``bench/bandwidth.py``; the goal is a step at >= 60% of it), the model's
 linear layers alone at batch 1, a torch.profiler breakdown (engine phases and top ops by self
@@ -53,6 +53,7 @@ from pdserve.bench.parity import first_differences, parity_lines
 from pdserve.bench.profiling import profile_decode, profile_decode_b1, profile_prefill
 from pdserve.bench.report import build_report
 from pdserve.bench.workload import Request, Throughput, greedy, make_workload
+from pdserve.engine.config import QUANTIZATIONS
 
 GIB = 2**30
 
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="of pdserve and transformers alike (auto: pdserve's choice on this machine)",
     )
     parser.add_argument(
-        "--quantization", default=None, choices=("int8",),
+        "--quantization", default=None, choices=QUANTIZATIONS,
         help="pdserve's weights only (`pdserve serve -q`); transformers keeps the model's",
     )
     parser.add_argument(

@@ -1,12 +1,13 @@
 """pdserve against llama.cpp's server: the same random prompts, through the same load generator.
 
     python -m pdserve.bench.vs_llamacpp --llamacpp-url http://127.0.0.1:8080
-        [--servers colocated,1p1d,colocated-int8,1p1d-int8,llamacpp] [--concurrency 1,16,64] [--input-len 32]
+        [--servers colocated,1p1d,colocated-int8,1p1d-int8,colocated-int4,1p1d-int4,llamacpp]
+        [--concurrency 1,16,64] [--input-len 32]
         [--output-len 128] [--num-prompts N] [--llamacpp-command "how it was started"]
     python -m pdserve.bench.vs_llamacpp --write-gguf smollm2.gguf   (the default model's GGUF)
 
 pdserve colocated and pdserve 1 prefill + 1 decode, each in the model's weights and with
-`--quantization int8`, are started here (`pdserve serve`, the default model unless --model)
+`--quantization int8` or `int4`, are started here (`pdserve serve`, the default model unless --model)
 one after the other; llama.cpp's server is not built or started
 here: it must already serve the same model at --llamacpp-url (docs/performance.md says how),
 and the run stops before anything starts when it does not answer /health or /v1/models. Its
@@ -41,12 +42,15 @@ from pdserve.bench.vs_llamacpp_report import LLAMACPP, build_report
 PROG = "python -m pdserve.bench.vs_llamacpp"
 RESULTS = Path(__file__).parent / "results"
 INT8 = ["--quantization", "int8"]  # weight-only int8 linears, fp32 activations
+INT4 = ["--quantization", "int4"]  # 4-bit linears, fp32 activations rounded to int8 inside them
 #: --servers name -> (row name in the report, `pdserve serve` flags; None: llama.cpp at its URL)
 SERVERS: dict[str, tuple[str, list[str] | None]] = {
     "colocated": ("pdserve colocated", CONFIGS["colocated"]),
     "1p1d": ("pdserve 1P+1D", CONFIGS["1p1d"]),
     "colocated-int8": ("pdserve colocated int8", [*CONFIGS["colocated"], *INT8]),
     "1p1d-int8": ("pdserve 1P+1D int8", [*CONFIGS["1p1d"], *INT8]),
+    "colocated-int4": ("pdserve colocated int4", [*CONFIGS["colocated"], *INT4]),
+    "1p1d-int4": ("pdserve 1P+1D int4", [*CONFIGS["1p1d"], *INT4]),
     "llamacpp": (LLAMACPP, None),
 }
 QUICK = {"concurrency": "1,4", "num_prompts": 4, "output_len": 16, "warmup": 1}
@@ -282,7 +286,9 @@ def pdserve_dtype(serve_flags: str | None) -> str:
     from pdserve.engine.cpu.dtype_choice import choose_dtype
 
     auto = choose_dtype(None, torch.device("cpu"), None)
-    return f"{auto} (--dtype auto); with --quantization int8: float32, int8 weights"
+    return (
+        f"{auto} (--dtype auto); with --quantization int8 or int4: float32, int8 or 4-bit weights"
+    )
 
 
 def write_gguf(path: Path) -> None:

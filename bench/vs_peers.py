@@ -2,7 +2,8 @@
 random prompts through the same load generator, in output tokens per second and in output
 tokens per CPU-second of each server's processes.
 
-    python -m pdserve.bench.vs_peers [--servers colocated,1p1d,colocated-int8,1p1d-int8,vllm,llamacpp]
+    python -m pdserve.bench.vs_peers
+        [--servers colocated,1p1d,colocated-int8,1p1d-int8,colocated-int4,1p1d-int4,vllm,llamacpp]
         [--vllm-python PATH] [--llamacpp-server PATH] [--gguf PATH] [--concurrency 1,16,64]
         [--input-len 32] [--output-len 128] [--num-prompts N] [--dtype D] [--quick]
         [--pdserve-preload LIB[:LIB]]

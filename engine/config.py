@@ -38,7 +38,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", *_KV_CACHE_DTYPES)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("int8",)  # weight-only (engine/layers/int8_weight.py)
+QUANTIZATIONS = ("int8", "int4")  # engine/layers/int8_weight.py, int4_weight.py
 DEFAULT_SWAP_SPACE = 4 << 30
 
 
@@ -64,10 +64,13 @@ class EngineConfig:
         vLLM's alias, stored as "fp8_e4m3"): one byte per element, stored as x / scale and read
         as x * scale with per-layer scales (engine/kv/kv_scales.py), so a block is half a 16-bit
         one and the same memory holds twice the blocks.
-    quantization: None (weights in `dtype`) or "int8": every linear's weight quantized to int8
-        when it loads, one scale per output row, multiplied by a CPU kernel in fp32
-        (engine/layers/int8_weight.py); a quarter of fp32's weight bytes for decode steps, with
-        the accuracy bound tests/engine/test_int8_weights.py states. CPU only.
+    quantization: None (weights in `dtype`), "int8" or "int4": every linear's weight quantized
+        when it loads. int8: one scale per output row, multiplied by CPU kernels in fp32
+        (engine/layers/int8_weight.py); a quarter of fp32's weight bytes for decode steps.
+        int4: a bf16 scale and minimum per output row and 32 inputs, multiplied in integers
+        against inputs rounded to int8 per token and 32 (engine/layers/int4_weight.py); 5 bits a
+        weight. Each with the accuracy bound its test states (tests/engine/test_int8_weights.py,
+        test_int4_weights.py). CPU only.
     load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
         drawn from `seed`; the folder needs only config.json, and without tokenizer files the
         engine takes token ids only) (engine/runner/loader.py).
@@ -120,8 +123,9 @@ class EngineConfig:
     )
     quantization: str | None = option(
         None, flag="--quantization", aliases=("-q",), choices=QUANTIZATIONS,
-        help="int8: weight-only int8 linears (one scale per output row, quantized at load; "
-        "CPU only); default: none, weights in --dtype",
+        help="int8: weight-only int8 linears (one scale per output row); int4: 4-bit linears "
+        "(a scale and minimum per row and 32 inputs, inputs rounded to int8); both quantized "
+        "at load, CPU only; default: none, weights in --dtype",
     )
     load_format: str = option(
         "auto", flag="--load-format", choices=LOAD_FORMATS,

@@ -56,6 +56,7 @@ SLOW_MODULES = (
     "engine/test_greedy_parity.py",
     "engine/test_hostile_requests.py",
     "engine/test_fp32_decode_step.py",
+    "engine/test_int4_weights.py",
     "engine/test_int8_weights.py",
     "engine/test_penalties.py",
     "engine/test_preemption_modes.py",
@@ -68,7 +69,7 @@ SLOW_MODULES = (
     "kvtransfer/test_fp8_transfer.py",
     "nodes/test_disaggregated_nodes.py",
     "nodes/test_fp8_disaggregated_nodes.py",
-    "nodes/test_int8_disaggregated_nodes.py",
+    "nodes/test_quantized_disaggregated_nodes.py",
     "nodes/test_node_heartbeat.py",
     "planner/test_profile_command.py",
 )

@@ -7,8 +7,8 @@ taken as given. `--dtype auto` means:
   - CPU with native bf16 matrix multiplies (AMX-BF16 or AVX512-BF16, engine/cpu/cpu_features.py):
     bf16, whatever the config says (fp16 has no fast path on these CPUs);
   - any other CPU: fp32;
-  - the CPU with int8 weights (`--quantization int8`): fp32 whatever the CPU, since the int8
-    kernels multiply in fp32 and the compiled int8 decode step runs on fp32 activations
+  - the CPU with quantized weights (`--quantization int8` or `int4`): fp32 whatever the CPU,
+    since their kernels take fp32 inputs and the compiled decode step runs on fp32 activations
     (bf16 activations would only add conversions around every linear).
 On the CPU, bf16 tokens are not always transformers' fp32 tokens (rounding flips near-ties);
 tests that compare tokens with fp32 pass `dtype="float32"` (tests/engine/test_bf16_cpu.py states
@@ -48,8 +48,8 @@ def choose_dtype(
         if config_dtype in (torch.float16, torch.bfloat16):
             return DtypeChoice(config_dtype, f"auto on {device.type}: the model config's dtype")
         return DtypeChoice(torch.bfloat16, f"auto on {device.type}")
-    if quantization == "int8":
-        return DtypeChoice(torch.float32, "auto on the CPU with int8 weights")
+    if quantization is not None:
+        return DtypeChoice(torch.float32, f"auto on the CPU with {quantization} weights")
     cpu = cpu or detect_cpu_features()
     dtype = torch.bfloat16 if cpu.native_bf16_matmul else torch.float32
     return DtypeChoice(dtype, f"auto on the CPU, {cpu.bf16_support}")

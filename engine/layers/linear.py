@@ -60,8 +60,11 @@ from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS
 from pdserve.engine.cpu.cpu_features import detect_cpu_features
+from pdserve.engine.layers.int4_weight import Int4Weight
 from pdserve.engine.layers.int8_weight import Int8Weight
 from pdserve.engine.layers.panel_weight import PanelWeight
+
+QUANTIZED_FORMS = {"int8": Int8Weight, "int4": Int4Weight}  # by engine/config.py's QUANTIZATIONS
 
 
 def onednn_packing_available(weight: torch.Tensor) -> bool:
@@ -175,9 +178,9 @@ class Linear(nn.Module):
     Lifecycle: built, loaded (`load`), then packed once (`pack`) into one of four forms: fp32
     panels for two tokens and more with a row-major copy for one token (fp32 on the CPU where
     numba runs: engine/layers/panel_weight.py), a oneDNN-prepacked weight (with a row-major
-    copy for one-token steps where a kernel for it runs: bf16 with AVX512-BF16), an int8
-    weight (`pack("int8")`: engine/layers/int8_weight.py), or the loaded weight as it is for
-    `F.linear`."""
+    copy for one-token steps where a kernel for it runs: bf16 with AVX512-BF16), a quantized
+    weight (`pack("int8")`: engine/layers/int8_weight.py, `pack("int4")`: int4_weight.py), or
+    the loaded weight as it is for `F.linear`."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype | None = None
@@ -190,11 +193,11 @@ class Linear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.panels: PanelWeight | None = None
         self.one_token: OneTokenWeight | Fp32OneTokenWeight | None = None
-        self.int8: Int8Weight | None = None
+        self.quantized: Int8Weight | Int4Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None:
-            return self.int8(x)
+        if self.quantized is not None:
+            return self.quantized(x)
         if self.one_token is not None and x.dim() == 2 and x.shape[0] == 1:
             return self.one_token(x)
         if self.panels is not None:
@@ -209,8 +212,8 @@ class Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes a forward streams: the (packed) weight and the bias (a one-token forward
         streams the row-major copy instead: as many bytes)."""
-        if self.int8 is not None:
-            return self.int8.num_bytes
+        if self.quantized is not None:
+            return self.quantized.num_bytes
         if self.panels is not None:
             weight = self.panels.panels
         elif self.packed_weight is not None:
@@ -224,11 +227,11 @@ class Linear(nn.Module):
 
     def pack(self, quantization: str | None = None) -> None:
         """Converts the loaded weight for the device's fastest kernels, or quantizes it
-        (`quantization` "int8"), and drops the original."""
+        (`quantization` "int8" or "int4"), and drops the original."""
         if self.weight is None:
             return  # packed already
-        if quantization == "int8":
-            self.int8 = Int8Weight.quantize(self.weight.data, self.bias)
+        if quantization in QUANTIZED_FORMS:
+            self.quantized = QUANTIZED_FORMS[quantization].quantize(self.weight.data, self.bias)
             self.weight = None
         elif quantization is not None:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -244,6 +247,16 @@ class Linear(nn.Module):
             self.one_token = one_token_weight(self.weight, self.bias)
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
             self.weight = None
+
+    def huge_page_copies(self) -> list[PanelWeight | OneTokenWeight | Fp32OneTokenWeight | Int4Weight]:
+        """The packed copies this layer reads that the model moves onto huge pages
+        (`move_into`): its panels, one-token copy, or 4-bit panels; an int8 weight's panels."""
+        copies = [self.one_token, self.panels]
+        if isinstance(self.quantized, Int8Weight):
+            copies.append(self.quantized.panels)
+        elif isinstance(self.quantized, Int4Weight):
+            copies.append(self.quantized)
+        return [copy for copy in copies if copy is not None]
 
     def load(self, param_name: str, tensor: torch.Tensor, rows: slice = slice(None)) -> None:
         """Copies an HF weight [out, in] (or bias [out]) into output rows `rows`."""

@@ -181,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
         """Every parameter is created in `dtype` (None: torch's default) on the current device,
         so a 16-bit model never exists in fp32; the rope tables stay fp32. `layout` and
         `group`: this rank's shard and its tensor-parallel group (None: the whole model).
-        `quantization` "int8": every linear, the head included, is quantized once its weight
-        is loaded (engine/layers/int8_weight.py); the embedding keeps `dtype`."""
+        `quantization` "int8" or "int4": every linear, the head included, is quantized once
+        its weight is loaded (engine/layers/int8_weight.py, int4_weight.py); the embedding
+        keeps `dtype`."""
         super().__init__()
         self.config = config
         self.quantization = quantization
@@ -313,14 +314,7 @@ class LlamaForCausalLM(nn.Module):
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         for module in linears:
             module.pack(self.quantization)
-        copies = [
-            copy
-            for module in linears
-            for copy in (
-                module.one_token, module.panels, module.int8 and module.int8.panels
-            )
-            if copy is not None
-        ]
+        copies = [copy for module in linears for copy in module.huge_page_copies()]
         if not copies:
             return
         starts = [0]

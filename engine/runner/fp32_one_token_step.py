@@ -1,12 +1,12 @@
 """A step that decodes one sequence by one token with fp32 activations, through every decoder
 layer in one compiled call (kernels/cpu_fp32_decode_step.py) instead of torch's ops one by one,
-its weights int8 (`--quantization int8`) or fp32. It runs on any CPU numba compiles for: the
+its weights int8 (`--quantization int8`), 4-bit (`--quantization int4`) or fp32. It runs on any CPU numba compiles for: the
 fp32 counterpart of engine/runner/one_token_step.py (bf16 on AVX512-BF16).
 
 `Fp32OneTokenStep.for_model` returns None unless every part it replaces has a compiled kernel
 here: an fp32 Llama-family model on the CPU on one rank, every decoder linear int8
-(engine/layers/int8_weight.py) or every one with its fp32 row-major copy (engine/layers/linear.py's
-`Fp32OneTokenWeight`), no q/k norms (Qwen3 keeps the torch path), an fp32 KV cache read by the
+(engine/layers/int8_weight.py), every one 4-bit (int4_weight.py) or every one with its fp32
+row-major copy (engine/layers/linear.py's `Fp32OneTokenWeight`), no q/k norms (Qwen3 keeps the torch path), an fp32 KV cache read by the
 compiled decode attention (head dim a multiple of 16). The runner takes it for a step of exactly
 one sequence decoding one token without prompt logprobs; batches, prefills and scoring go
 through the torch forward, which writes and reads the same KV cache with the same weights. The
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv.kv_cache import KVCache
+from pdserve.engine.layers.int4_weight import Int4Weight
 from pdserve.engine.layers.int8_weight import Int8Weight
 from pdserve.engine.layers.linear import Fp32OneTokenWeight, Linear
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -39,27 +40,28 @@ def fp32_decode_fits(model: torch.nn.Module, kv_cache: KVCache) -> bool:
     if not compiled_decode_fits(model, kv_cache, torch.float32):
         return False
     linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
-    return bool(linears) and (
-        all(linear.int8 is not None for linear in linears)
-        or all(isinstance(linear.one_token, Fp32OneTokenWeight) for linear in linears)
-    )
+    forms = {type(linear.quantized or linear.one_token) for linear in linears}
+    return len(forms) == 1 and forms <= {Int8Weight, Int4Weight, Fp32OneTokenWeight}
 
 
 def _weight_lists(linears: list[Linear]) -> tuple:
-    """The kernel's typed lists for these linears: weights [out, in] (int8, or fp32 with scales
-    of one), fp32 scales [out] and fp32 biases (empty for none)."""
+    """The kernel's typed lists for these linears: weights ([out, in] int8, or fp32 with
+    scales of one; or 4-bit panels), fp32 scales ([out]; empty for 4-bit) and fp32 biases (empty
+    for none)."""
     from numba.typed import List
 
-    no_bias = np.zeros(0, np.float32)
-    forms = [linear.int8 or linear.one_token for linear in linears]
-    return (
-        List([
+    nothing = np.zeros(0, np.float32)
+    forms = [linear.quantized or linear.one_token for linear in linears]
+    if isinstance(forms[0], Int4Weight):
+        weights, scales = [form.panels.numpy() for form in forms], [nothing for _ in forms]
+    else:
+        weights = [
             form.quantized.numpy() if isinstance(form, Int8Weight) else form.weight.numpy()
             for form in forms
-        ]),
-        List([form.scale.numpy() for form in forms]),
-        List([no_bias if form.bias is None else form.bias.numpy() for form in forms]),
-    )
+        ]
+        scales = [form.scale.numpy() for form in forms]
+    biases = [nothing if form.bias is None else form.bias.numpy() for form in forms]
+    return List(weights), List(scales), List(biases)
 
 
 class Fp32OneTokenStep:
@@ -83,6 +85,7 @@ class Fp32OneTokenStep:
         )
         self._order = lane_order(head_dim, words=False)
         self._eps = np.float32(config.rms_norm_eps)
+        self._intermediate = layers[0].mlp.down_proj.in_features
         self._scale = np.float32(scale)
         self._window = sliding_window or 0
         self._input_norms = np.stack([l.input_layernorm.weight.data.numpy() for l in layers])
@@ -127,6 +130,7 @@ class Fp32OneTokenStep:
         cos, signed_sin = model.rotary.cos_sin(torch.tensor([seq_len - 1]), hidden.dtype)
         run_parallel(
             self._kernel, hidden.numpy(), self._input_norms, self._post_norms, self._eps,
+            self._intermediate,
             *self._qkv, *self._o, *self._gate_up, *self._down, self._key_caches,
             self._value_caches, cos[0, 0].numpy(), signed_sin[0, 0].numpy(),
             np.array([block_table], dtype=np.int32), np.array([seq_len], dtype=np.int32),

@@ -45,7 +45,10 @@ def test_defaults_are_32_in_128_out_at_concurrency_1_16_64_against_every_server(
     args = parse_args(["--llamacpp-url", URL])
     assert args.concurrency == [1, 16, 64]
     assert (args.input_len, args.output_len) == (32, 128)
-    assert args.servers == ["colocated", "1p1d", "colocated-int8", "1p1d-int8", "llamacpp"]
+    assert args.servers == [
+        "colocated", "1p1d", "colocated-int8", "1p1d-int8", "colocated-int4", "1p1d-int4",
+        "llamacpp",
+    ]
     assert [prompts_at(args, c) for c in args.concurrency] == [8, 32, 128]
     assert prompts_at(parse_args(["--llamacpp-url", URL, "--num-prompts", "5"]), 64) == 5
 
@@ -64,7 +67,13 @@ def test_a_missing_llamacpp_url_says_how_to_get_a_server(capsys):
         (["--concurrency", "1,x"], "expected comma-separated integers"),
         (["--concurrency", "0,4"], "expected integers of at least 1"),
         (["--concurrency", "1,16,1"], "expected each value once"),
-        (["--servers", "colocated,vllm"], "choose from colocated, 1p1d, colocated-int8, 1p1d-int8, llamacpp"),
+        (
+            ["--servers", "colocated,vllm"],
+            (
+                "choose from colocated, 1p1d, colocated-int8, 1p1d-int8, colocated-int4, "
+                "1p1d-int4, llamacpp"
+            ),
+        ),
         (["--num-prompts", "0"], "--num-prompts is 0"),
         (["--output-len", "0"], "--output-len is 0"),
     ],

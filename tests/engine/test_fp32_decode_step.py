@@ -1,8 +1,10 @@
-"""The compiled one-sequence fp32 step, with int8 weights and with fp32 ones
+"""The compiled one-sequence fp32 step, with int8, 4-bit and fp32 weights
 (engine/runner/fp32_one_token_step.py, kernels/cpu_fp32_decode_step.py), on any CPU: from the
 same cache state it writes the keys and values and gives the logits of the torch forward over
-the same weights, to fp32 rounding (the order of sums), with a sliding window shorter than the context too; the runner takes it
-for one sequence decoding one token only, and greedy text equals the torch forward's; it is not
+the same weights, to fp32 rounding (the order of sums; with 4-bit weights, see
+INT4_TOLERANCES), with a sliding window shorter than the context too; the runner takes it
+for one sequence decoding one token only, and greedy text equals the torch forward's (but for
+4-bit weights on these random models); it is not
 built where a part of it cannot run. tests/kernels/test_instruction_sets.py runs this file
 again with numba compiling for AVX2."""
 
@@ -19,13 +21,19 @@ from tests.engine.test_compiled_decode import BLOCK_TABLE, PROMPT_LEN, torch_for
 
 pytest.importorskip("numba")
 
+# 4-bit linears round their inputs to int8, so an fp32 rounding difference upstream (the norm's
+# sum order) can move an input to the next int8 value and the output by a step: measured on the
+# tiny llama, the step's logits differ from the torch forward's by 0.14 and its cache by 0.043,
+# and nudging the token's embedding by 1e-6 moves the torch forward's own logits by 0.18.
+INT4_TOLERANCES = {"logits": 0.5, "cache": 0.15}
+
 
 @pytest.fixture(
     scope="module",
     params=[
         (model, quantization)
         for model in ("llama", "llama3-rope-tied", "mistral", "qwen2")
-        for quantization in ("int8", None)
+        for quantization in ("int8", "int4", None)
     ],
     ids=lambda param: f"{param[0]}-{param[1] or 'fp32'}",
 )
@@ -47,8 +55,14 @@ def compare_one_step(runner, step: Fp32OneTokenStep, token: int) -> None:
     logits = step(torch.tensor([token]), BLOCK_TABLE, PROMPT_LEN + 1)
 
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(runner.kv_cache.buffer, expected_cache, atol=1e-5, rtol=1e-5)
+    if runner.config.quantization == "int4":
+        torch.testing.assert_close(logits, expected, atol=INT4_TOLERANCES["logits"], rtol=0)
+        torch.testing.assert_close(
+            runner.kv_cache.buffer, expected_cache, atol=INT4_TOLERANCES["cache"], rtol=0
+        )
+    else:
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(runner.kv_cache.buffer, expected_cache, atol=1e-5, rtol=1e-5)
     assert (runner.kv_cache.buffer != before).any(), "the step wrote no key or value"
 
 
@@ -82,7 +96,8 @@ def test_the_runner_takes_the_compiled_step_for_one_sequence_and_its_text_is_the
     calls.clear()
     together = fp32_llm.generate(prompts, [params] * 2)[0].token_ids
     assert len(calls) == 0  # two sequences decoding: the torch forward
-    assert list(alone) == list(together)
+    if fp32_llm.engine.config.quantization != "int4":  # its rounding flips: INT4_TOLERANCES
+        assert list(alone) == list(together)
     fp32_llm.engine.check_integrity()
 
 

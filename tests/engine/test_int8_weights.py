@@ -1,6 +1,7 @@
 """Weight-only int8 linears in the engine (`quantization="int8"`, engine/layers/int8_weight.py).
 
-- The option takes "int8" only (anything else is refused naming the field and the choices);
+- The option takes "int8" and "int4" only (anything else is refused naming the field and the
+  choices; int4: tests/engine/test_int4_weights.py);
   every linear, the head included, is quantized, and a decode step reads about a quarter of the
   fp32 engine's weight bytes.
 - Accuracy, stated as bounds on the logprobs of the fp32 engine's greedy tokens under int8
@@ -33,11 +34,14 @@ TINY_LOGPROB_BOUND = 0.75
 DEFAULT_MODEL_LOGPROB_BOUND = 0.6
 
 
-def test_the_option_takes_int8_only():
+def test_the_option_takes_int8_and_int4_only():
     assert EngineConfig(quantization="int8").quantization == "int8"
+    assert EngineConfig(quantization="int4").quantization == "int4"
     assert EngineConfig().quantization is None
-    for wrong in ("int4", "awq", "fp8", ""):
-        with pytest.raises(ValueError, match=r"quantization must be one of \('int8',\)"):
+    for wrong in ("int2", "awq", "fp8", ""):
+        with pytest.raises(
+            ValueError, match=r"quantization must be one of \('int8', 'int4'\)"
+        ):
             EngineConfig(quantization=wrong)
 
 
@@ -47,8 +51,8 @@ def test_every_linear_is_int8_and_a_decode_step_reads_a_quarter_of_the_bytes(tin
         str(tiny_llama_dir), dtype="float32", quantization="int8", num_kv_blocks=4
     ).engine.runner.model
     linears = [m for m in int8.modules() if isinstance(m, Linear)]
-    assert linears and all(m.int8 is not None and m.weight is None for m in linears)
-    assert int8.lm_head.int8 is not None
+    assert linears and all(m.quantized is not None and m.weight is None for m in linears)
+    assert int8.lm_head.quantized is not None
     ratio = int8.decode_weight_bytes() / full.decode_weight_bytes()
     assert 0.25 <= ratio < 0.3, ratio  # int8 weights, fp32 scales, biases and norms
 

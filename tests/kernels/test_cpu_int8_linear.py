@@ -76,18 +76,18 @@ def test_a_linear_packed_as_int8_answers_in_its_input_dtype_for_any_leading_shap
     linear.load("bias", torch.randn(40).to(dtype))
     exact = linear.weight.data.float().clone()
     linear.pack("int8")
-    assert linear.weight is None and linear.int8 is not None
+    assert linear.weight is None and linear.quantized is not None
     assert linear.weight_bytes == 40 * 96 + 40 * 4 + 40 * 4
     x = torch.randn(3, 5, 96).to(dtype)
     y = linear(x)
     assert y.dtype == dtype and y.shape == (3, 5, 40)
     expected = torch.nn.functional.linear(x.float(), exact, linear.bias.detach().float())
     # int8's rounding: at most half a step per weight, summed over 96 inputs
-    bound = float((x.float().abs() @ (linear.int8.scale[:, None] / 2).expand(40, 96).T).max())
+    bound = float((x.float().abs() @ (linear.quantized.scale[:, None] / 2).expand(40, 96).T).max())
     rounding = 1e-4 if dtype == torch.float32 else float(expected.abs().max()) * 2**-8  # bf16 out
     assert float((y.float() - expected).abs().max()) <= bound + rounding
     with pytest.raises(ValueError, match="quantization must be one of"):
-        Linear(8, 8, bias=False).pack("int4")
+        Linear(8, 8, bias=False).pack("int2")
 
 
 def fresh_assembly(kernel) -> str:

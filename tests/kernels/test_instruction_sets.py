@@ -1,7 +1,7 @@
 """The compiled CPU kernels' tests again, with numba compiling for instruction sets other than
 this machine's, so that a path users run on other CPUs is tested on every machine: AVX2 + FMA
 (Intel Haswell to Ice Lake client parts, AMD Zen 1-3: no AVX-512) and the x86-64 baseline
-(SSE2). The int8 and panel linears, the fp32 decode step, int8 and fp32 weights
+(SSE2). The int8, panel and 4-bit linears, the fp32 decode step, int8 and fp32 weights
 (tests/engine/test_fp32_decode_step.py: whole tiny engines), and the fp32 decode batch step (the float32 cases of
 tests/engine/test_compiled_decode.py) run under AVX2, the instruction set of most CPUs without
 AVX-512. Each runs in a child pytest with NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set and a cache
@@ -29,13 +29,14 @@ AVX2 = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma"}
 TARGETS = {
     "avx2": (
         AVX2,
-        ["test_cpu_int8_linear.py", "test_cpu_panel_linear.py", "test_cpu_decode_attention.py",
-         "../engine/test_fp32_decode_step.py"],
+        ["test_cpu_int8_linear.py", "test_cpu_panel_linear.py", "test_cpu_int4_linear.py",
+         "test_cpu_decode_attention.py", "../engine/test_fp32_decode_step.py"],
         None,
     ),
     "avx2-fp32-decode-batch": (AVX2, ["../engine/test_compiled_decode.py"], "float32"),
     "x86-64": (
-        {"NUMBA_CPU_NAME": "generic"}, ["test_cpu_int8_linear.py", "test_cpu_panel_linear.py"],
+        {"NUMBA_CPU_NAME": "generic"},
+        ["test_cpu_int8_linear.py", "test_cpu_panel_linear.py", "test_cpu_int4_linear.py"],
         None,
     ),
 }
