@@ -119,7 +119,7 @@ def build_report(args, machine, model_name, shapes, tokens, best) -> str:
         "",
         "| tokens | " + " | ".join(f"{d} {k.name}" for d, k in KERNELS) + " | "
         + " | ".join(f"{d} panels / oneDNN" for d, _ in KERNELS[1:]) + " |",
-        "|---" * (2 * len(KERNELS) + 1) + "|",
+        "|---" * (2 * len(KERNELS)) + "|",
     ]
     for count in tokens:
         cells = []

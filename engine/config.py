@@ -69,8 +69,8 @@ class EngineConfig:
         (engine/layers/int8_weight.py); a quarter of fp32's weight bytes for decode steps.
         int4: a bf16 scale and minimum per output row and 32 inputs, multiplied in integers
         against inputs rounded to int8 per token and 32 (engine/layers/int4_weight.py); 5 bits a
-        weight. Each with the accuracy bound its test states (tests/engine/test_int8_weights.py,
-        test_int4_weights.py). CPU only.
+        weight. Each with the accuracy bound tests/engine/test_quantized_weights.py states.
+        CPU only.
     load_format: "auto" (weights from the folder's *.safetensors) or "dummy" (random weights
         drawn from `seed`; the folder needs only config.json, and without tokenizer files the
         engine takes token ids only) (engine/runner/loader.py).

@@ -27,8 +27,10 @@ What it computes, per layer, in fp32 (the torch forward's ops, engine/models/lla
   hidden = hidden + down_proj(silu(gate) * up)
 The results differ from the torch path's only in the order of fp32 sums (the norm's mean of
 squares, the linears) and in exp's last bit (silu): ~1e-6 relative, far inside int8's own error
-(tests/engine/test_int8_weights.py); tests/engine/test_fp32_decode_step.py checks both weight
-types against the torch forward.
+(tests/engine/test_quantized_weights.py); with 4-bit weights an input rounded to int8 inside a
+linear can land on the other side of a rounding boundary, a step of that value (INT4_TOLERANCES
+in tests/engine/test_fp32_decode_step.py, which checks every weight type against the torch
+forward).
 
 The embedding, final norm and LM head stay torch modules (engine/runner/fp32_one_token_step.py).
 Compiled on first use for each (query heads, KV heads, head dim, query heads per attention call,

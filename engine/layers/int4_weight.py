@@ -6,15 +6,15 @@ per token and group inside the kernel.
     w ~ q * scale + minimum      q in 0 .. 15 (kernels/cpu_int4_linear.py's `quantize`)
 
 A decode step reads 5 bits a weight: 0.63x of int8's bytes, 0.16x of fp32's. Activations, the
-KV cache and the bias keep fp32. What the rounding costs in accuracy is measured and bounded in
-tests/engine/test_int4_weights.py. Side by side with int8 at one token (the default model's
-120 decoder matrices, 2-core Intel Xeon held to AVX2, from compiled code): 3.2 ms against the
-int8 row-major loop's 5.0 ms.
+KV cache and the bias keep fp32. What the rounding costs in accuracy is measured and bounded
+in tests/engine/test_quantized_weights.py. Side by side with int8 at one token (the default
+model's 120 decoder matrices, 2-core Intel Xeon held to AVX2, from compiled code): 3.2 ms
+against the int8 row-major loop's 5.0 ms.
 
 Lifecycle: `Int4Weight.quantize` (from `Linear.pack`, once the checkpoint's weight is loaded;
 the full-precision weight is then dropped), moved onto huge pages with the model's other copies
-(`move_into`), then one `__call__` per forward. Without numba it multiplies the dequantized
-weight in torch (as exact, slower). CPU only, as int8.
+(`move_into`), then one `__call__` per forward. Without numba it computes the same in torch
+(the kernel module's `reference`, slower). CPU only, as int8.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ kernels/cpu_int8_linear.py (one token, the weight row-major) and kernels/cpu_pan
 
 The weight's bytes drop to a quarter of fp32's (half of bf16's), which is what a decode step's
 linears are bound by; activations, the KV cache and the bias keep the engine's dtype. What the
-rounding costs in accuracy is measured and bounded in tests/engine/test_int8_weights.py.
+rounding costs in accuracy is measured and bounded in tests/engine/test_quantized_weights.py.
 
 Lifecycle: `Int8Weight.quantize` (from `Linear.pack`, once the checkpoint's weight is loaded;
 the full-precision weight is then dropped), then one `__call__` per forward for any number of
