@@ -1,8 +1,7 @@
 """One token through every decoder layer of a Llama-family model with fp32 activations and
 int8 (`--quantization int8`), 4-bit (`--quantization int4`) or fp32 weights on the CPU, as one
-compiled call: the batch-1
-decode step without Python between its ops, on any CPU numba compiles for (AVX2, AVX-512,
-NEON).
+compiled call: the batch-1 decode step without Python between its ops, on any CPU numba
+compiles for (AVX2, AVX-512, NEON).
 
 Why. With int8 weights a batch-1 step of SmolLM2-135M reads 134 MB, ~5 ms at the read bandwidth
 of a 2-core server, and its linears (kernels/cpu_int8_linear.py) take about that; through torch
@@ -12,8 +11,9 @@ inside one numba function (the norm, rope and residual adds of kernels/activatio
 the batch glue runs too), which calls the same linear kernel and the same paged decode
 attention kernel (kernels/cpu_decode_attention.py) as the torch path. fp32 weights go through
 the same linear kernel with every row's scale 1 (numba compiles the function once per weight
-type), so an fp32 model's step is exact but for the order of its sums. 4-bit weights go through
-kernels/cpu_int4_linear.py's kernel (`_linear` picks it by the weight's shape: its panels are 3-D).
+type), so an fp32 model's step is exact but for the order of its sums. 4-bit weights go
+through kernels/cpu_int4_linear.py's kernel (`_linear` picks it by the weight's shape: its
+panels are 3-D).
 
 What it computes, per layer, in fp32 (the torch forward's ops, engine/models/llama.py):
   normed = rms_norm(hidden)             x * rsqrt(mean(x^2) + eps) * weight
@@ -73,21 +73,21 @@ if numba is not None:
         )
 
     def _decode_layers(
-        hidden, input_norms, post_norms, eps, intermediate, qkv_weights, qkv_scales, qkv_biases, o_weights,
-        o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases, down_weights,
-        down_scales, down_biases, key_caches, value_caches, cos, signed_sin, block_table,
-        seq_len, window, scale, order, threads, num_heads, num_kv_heads, head_dim,
+        hidden, input_norms, post_norms, eps, intermediate, qkv_weights, qkv_scales, qkv_biases,
+        o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
+        down_weights, down_scales, down_biases, key_caches, value_caches, cos, signed_sin,
+        block_table, seq_len, window, scale, order, threads, num_heads, num_kv_heads, head_dim,
         heads_per_call, tokens_per_chunk,
     ):
         """hidden [1, hidden_size] fp32: the token's embedding in, the last layer's output out.
         Per layer l: input_norms[l] / post_norms[l] [hidden_size] fp32; intermediate: the MLP's
         size; the typed lists hold the layer's weights ([out, in] int8 or fp32, or 4-bit
-        panels), fp32 scales ([out]; empty for 4-bit) and fp32 biases (empty for none); key_caches[l] / value_caches[l] [blocks, kv_heads, block_size, head_dim] fp32.
+        panels), fp32 scales ([out]; empty for 4-bit) and fp32 biases (empty for none);
+        key_caches[l] / value_caches[l] [blocks, kv_heads, block_size, head_dim] fp32.
         cos / signed_sin [head_dim] fp32 rows at the position; block_table [1, n] int32,
         seq_len [1] int32 (the token is at seq_len - 1, its slot already allocated); window 0
         for none; order the attention's lane order; threads the linears' chunks of rows (one per
-        thread). The last five are constants of the compiled
-        code (numba.literally)."""
+        thread). The last five are constants of the compiled code (numba.literally)."""
         numba.literally(num_heads)
         numba.literally(num_kv_heads)
         numba.literally(head_dim)
@@ -160,16 +160,16 @@ if numba is not None:
         cost (a literal argument passed from Python is typed twice on every call)."""
 
         def decode(
-            hidden, input_norms, post_norms, eps, intermediate, qkv_weights, qkv_scales, qkv_biases,
-            o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
-            down_weights, down_scales, down_biases, key_caches, value_caches, cos, signed_sin,
-            block_table, seq_len, window, scale, order, threads,
+            hidden, input_norms, post_norms, eps, intermediate, qkv_weights, qkv_scales,
+            qkv_biases, o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales,
+            gate_up_biases, down_weights, down_scales, down_biases, key_caches, value_caches, cos,
+            signed_sin, block_table, seq_len, window, scale, order, threads,
         ):
             decode_layers_kernel(
-                hidden, input_norms, post_norms, eps, intermediate, qkv_weights, qkv_scales, qkv_biases,
-                o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales, gate_up_biases,
-                down_weights, down_scales, down_biases, key_caches, value_caches, cos,
-                signed_sin, block_table, seq_len, window, scale, order, threads, num_heads,
+                hidden, input_norms, post_norms, eps, intermediate, qkv_weights, qkv_scales,
+                qkv_biases, o_weights, o_scales, o_biases, gate_up_weights, gate_up_scales,
+                gate_up_biases, down_weights, down_scales, down_biases, key_caches, value_caches,
+                cos, signed_sin, block_table, seq_len, window, scale, order, threads, num_heads,
                 num_kv_heads, head_dim, heads_per_call, tokens_per_chunk,
             )
 

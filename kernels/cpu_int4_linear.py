@@ -298,13 +298,11 @@ if numba is not None:
                                     pairs.append(
                                         builder.bitcast(broadcast(pair, i16x16), bytes32)
                                     )
-                                sums[t] = builder.add(
-                                    sums[t],
-                                    builder.add(
-                                        _pairs_multiplied_unsigned_by_signed(builder, low, pairs[0]),
-                                        _pairs_multiplied_unsigned_by_signed(builder, high, pairs[1]),
-                                    ),
-                                )
+                                products = [
+                                    _pairs_multiplied_unsigned_by_signed(builder, nibbles, pair)
+                                    for nibbles, pair in zip((low, high), pairs)
+                                ]
+                                sums[t] = builder.add(sums[t], builder.add(*products))
                         totals = [
                             builder.add(total, builder.sext(part, i32x16))
                             for total, part in zip(totals, sums)
@@ -414,7 +412,9 @@ if numba is not None:
         int4_kernel = njit(parallel=True)(_int4_loops)
 
 
-def int4_linear(panels: np.ndarray, x: torch.Tensor, bias: np.ndarray, out_features: int) -> torch.Tensor:
+def int4_linear(
+    panels: np.ndarray, x: torch.Tensor, bias: np.ndarray, out_features: int
+) -> torch.Tensor:
     """x [tokens, in] fp32 -> [tokens, out_features] fp32, `panels` from `pack` as a numpy view,
     `bias` [out] fp32 (empty for none). Unchecked: engine/layers/int4_weight.py checks once,
     when it quantizes the weight."""

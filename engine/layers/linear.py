@@ -248,7 +248,9 @@ class Linear(nn.Module):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, None)
             self.weight = None
 
-    def huge_page_copies(self) -> list[PanelWeight | OneTokenWeight | Fp32OneTokenWeight | Int4Weight]:
+    def huge_page_copies(
+        self,
+    ) -> list[PanelWeight | OneTokenWeight | Fp32OneTokenWeight | Int4Weight]:
         """The packed copies this layer reads that the model moves onto huge pages
         (`move_into`): its panels, one-token copy, or 4-bit panels; an int8 weight's panels."""
         copies = [self.one_token, self.panels]

@@ -1,13 +1,14 @@
 """A step that decodes one sequence by one token with fp32 activations, through every decoder
 layer in one compiled call (kernels/cpu_fp32_decode_step.py) instead of torch's ops one by one,
-its weights int8 (`--quantization int8`), 4-bit (`--quantization int4`) or fp32. It runs on any CPU numba compiles for: the
-fp32 counterpart of engine/runner/one_token_step.py (bf16 on AVX512-BF16).
+its weights int8 (`--quantization int8`), 4-bit (`--quantization int4`) or fp32. It runs on
+any CPU numba compiles for: the fp32 counterpart of engine/runner/one_token_step.py (bf16 on
+AVX512-BF16).
 
 `Fp32OneTokenStep.for_model` returns None unless every part it replaces has a compiled kernel
 here: an fp32 Llama-family model on the CPU on one rank, every decoder linear int8
 (engine/layers/int8_weight.py), every one 4-bit (int4_weight.py) or every one with its fp32
-row-major copy (engine/layers/linear.py's `Fp32OneTokenWeight`), no q/k norms (Qwen3 keeps the torch path), an fp32 KV cache read by the
-compiled decode attention (head dim a multiple of 16). The runner takes it for a step of exactly
+row-major copy (engine/layers/linear.py's `Fp32OneTokenWeight`), no q/k norms (Qwen3 keeps the
+torch path), an fp32 KV cache read by the compiled decode attention (head dim a multiple of 16). The runner takes it for a step of exactly
 one sequence decoding one token without prompt logprobs; batches, prefills and scoring go
 through the torch forward, which writes and reads the same KV cache with the same weights. The
 embedding row, the final norm and the LM head stay the model's modules (the head's one-token

@@ -49,7 +49,8 @@ def test_rounding_keeps_each_weight_within_half_a_step_of_what_it_stands_for():
 
 
 def test_packing_puts_four_inputs_of_sixteen_rows_in_each_32_byte_chunk():
-    q = torch.randint(0, 16, (21, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (21, 40), dtype=torch.uint8, generator=generator)
     scale = torch.rand(21, 2) + 0.5
     minimum = -torch.rand(21, 2)
     panels = pack(q, scale, minimum)
