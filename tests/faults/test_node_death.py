@@ -193,13 +193,16 @@ def test_decode_node_killed_mid_stream_its_clients_get_an_error_event_within_5_s
         victim = f"decode-0.{port}"
         wait_for_nodes(server, 3)
         pids = node_pids(server.process.pid)
-        requests = bodies(tiny_llama_dir.name, 32, range(10, 40), range(500, 700), seed=4)
+        # Answers as long as the model allows, and the kill as half the streams are seen
+        # streaming: a client that reads behind a fast node sees a stream's third chunk late,
+        # and waiting for every stream once let the victim finish all of its own first.
+        requests = bodies(tiny_llama_dir.name, 32, range(10, 40), range(900, 980), seed=4)
 
-        def all_streaming(results):
-            return all(len(r.token_times) >= 3 for r in results)
+        def half_streaming(results):
+            return sum(len(r.token_times) >= 3 for r in results) >= len(results) // 2
 
         results, killed_at, detected = run_with_kill(
-            server.url, requests, pids[victim], all_streaming, victim
+            server.url, requests, pids[victim], half_streaming, victim
         )
         assert detected <= DEAD_WITHIN_S, f"marked dead {detected:.2f} s after the kill"
         failed = [r for r in results if not r.completed]
