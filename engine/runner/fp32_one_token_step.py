@@ -8,11 +8,11 @@ AVX512-BF16).
 here: an fp32 Llama-family model on the CPU on one rank, every decoder linear int8
 (engine/layers/int8_weight.py), every one 4-bit (int4_weight.py) or every one with its fp32
 row-major copy (engine/layers/linear.py's `Fp32OneTokenWeight`), no q/k norms (Qwen3 keeps the
-torch path), an fp32 KV cache read by the compiled decode attention (head dim a multiple of 16). The runner takes it for a step of exactly
-one sequence decoding one token without prompt logprobs; batches, prefills and scoring go
-through the torch forward, which writes and reads the same KV cache with the same weights. The
-embedding row, the final norm and the LM head stay the model's modules (the head's one-token
-forward reads its own row-major copy).
+torch path), an fp32 KV cache read by the compiled decode attention (head dim a multiple of
+16). The runner takes it for a step of exactly one sequence decoding one token without prompt
+logprobs; batches, prefills and scoring go through the torch forward, which writes and reads the
+same KV cache with the same weights. The embedding row, the final norm and the LM head stay the
+model's modules (the head's one-token forward reads its own row-major copy).
 
 Why fp32 too. A batch-1 fp32 step reads 538 MB of the default model's weights; through torch
 each linear is a oneDNN call that reads them at 13 GB/s (2-core AMD EPYC held to AVX2), here the
