@@ -68,6 +68,7 @@ try:
 
     from pdserve.kernels.cpu_attention_chunk import attention_chunk
     from pdserve.kernels.llvm_prefetch import CACHE_LINE_BYTES, prefetch_element
+    from pdserve.kernels.numba_compile import compiled
 except ImportError:  # the engine falls back to its gather path
     numba = None
 
@@ -215,10 +216,7 @@ if numba is not None:
         """Compiled on first call, cached on disk; where no cache directory is writable (numba
         refuses cache=True there), compiled in every process instead."""
         options = {"parallel": True, "fastmath": {"reassoc", "contract"}}
-        try:
-            return njit(cache=True, **options)(function)
-        except RuntimeError:
-            return njit(**options)(function)
+        return compiled(function, **options)
 
     decode_kernel = _compile(_decode_loops)
 
@@ -237,10 +235,7 @@ if numba is not None:
                 value_scale, order, out, heads, head_dim, tokens,
             )
 
-        try:
-            return njit(cache=True)(decode)
-        except RuntimeError:
-            return njit(decode)
+        return compiled(decode)
 
 
 def cache_array(cache: torch.Tensor) -> np.ndarray:

@@ -32,20 +32,18 @@ import numpy as np
 
 try:
     import numba
-    from numba import njit, prange
+    from numba import prange
 
     from pdserve.kernels.activation_ops import add_into, narrow, rms_norm, rope, widen
     from pdserve.kernels.cpu_decode_attention import decode_kernel
+    from pdserve.kernels.numba_compile import compiled
 except ImportError:  # engine/runner/decode_batch_step.py reports the path unavailable
     numba = None
 
 if numba is not None:
 
     def _jit(function, parallel=True):
-        try:
-            return njit(cache=True, parallel=parallel)(function)
-        except RuntimeError:  # no writable cache directory: compiled in every process
-            return njit(parallel=parallel)(function)
+        return compiled(function, parallel=parallel)
 
     def _norm_rows(hidden, weight, eps, out):
         """out[r] = rms_norm(hidden[r]) for every row."""

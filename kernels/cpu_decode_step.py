@@ -38,12 +38,12 @@ import numpy as np
 
 try:
     import numba
-    from numba import njit
 
     from pdserve.kernels.activation_ops import add_into, rms_norm, rope
     from pdserve.kernels.bf16_ops import from_bf16, silu_times_up, to_bf16
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_gemv import gemv_kernel
+    from pdserve.kernels.numba_compile import compiled
 except ImportError:  # engine/runner/one_token_step.py reports the step unavailable
     numba = None
 
@@ -109,10 +109,7 @@ if numba is not None:
             gemv_kernel(down_weights[layer], activated, down_biases[layer], projected)
             add_into(hidden, projected)
 
-    try:
-        decode_layers_kernel = njit(cache=True)(_decode_layers)
-    except RuntimeError:  # no writable cache directory: compiled in every process
-        decode_layers_kernel = njit(_decode_layers)
+    decode_layers_kernel = compiled(_decode_layers)
 
     @functools.cache
     def compiled_for(
@@ -134,7 +131,4 @@ if numba is not None:
                 order, num_heads, num_kv_heads, head_dim, heads_per_call, tokens_per_chunk,
             )
 
-        try:
-            return njit(cache=True)(decode)
-        except RuntimeError:
-            return njit(decode)
+        return compiled(decode)

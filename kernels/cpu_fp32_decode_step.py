@@ -45,13 +45,13 @@ import numpy as np
 
 try:
     import numba
-    from numba import njit
     from numba.extending import overload
 
     from pdserve.kernels.activation_ops import add_into, rms_norm, rope
     from pdserve.kernels.cpu_decode_attention import decode_kernel
     from pdserve.kernels.cpu_int4_linear import int4_kernel
     from pdserve.kernels.cpu_int8_linear import one_token_kernel
+    from pdserve.kernels.numba_compile import compiled
 except ImportError:  # engine/runner/fp32_one_token_step.py reports the step unavailable
     numba = None
 
@@ -146,10 +146,7 @@ if numba is not None:
             )
             add_into(hidden[0], projected[0])
 
-    try:
-        decode_layers_kernel = njit(cache=True)(_decode_layers)
-    except RuntimeError:  # no writable cache directory: compiled in every process
-        decode_layers_kernel = njit(_decode_layers)
+    decode_layers_kernel = compiled(_decode_layers)
 
     @functools.cache
     def compiled_for(
@@ -173,7 +170,4 @@ if numba is not None:
                 num_kv_heads, head_dim, heads_per_call, tokens_per_chunk,
             )
 
-        try:
-            return njit(cache=True)(decode)
-        except RuntimeError:
-            return njit(decode)
+        return compiled(decode)

@@ -41,6 +41,7 @@ try:
 
     from pdserve.kernels.bf16_ops import from_bf16, to_bf16
     from pdserve.kernels.llvm_prefetch import emit_prefetch
+    from pdserve.kernels.numba_compile import compiled
 except ImportError:  # the engine keeps oneDNN
     numba = None
 
@@ -174,10 +175,7 @@ if numba is not None:
         for row in range(num_blocks * ROWS_PER_BLOCK, num_rows):
             out[row] = to_bf16(_dot_row(weight, row, x)[0] + _bias(bias, row))
 
-    try:
-        gemv_kernel = njit(cache=True, parallel=True)(_gemv_loops)
-    except RuntimeError:  # no writable cache directory: compiled in every process
-        gemv_kernel = njit(parallel=True)(_gemv_loops)
+    gemv_kernel = compiled(_gemv_loops, parallel=True)
 
 
 def bf16_words(tensor: torch.Tensor) -> np.ndarray:

@@ -60,6 +60,7 @@ try:
     from numba.extending import intrinsic
 
     from pdserve.kernels.llvm_prefetch import CACHE_LINE_BYTES, emit_prefetch
+    from pdserve.kernels.numba_compile import compiled
     from pdserve.kernels.numba_threads import run_parallel
 except ImportError:  # engine/layers/int4_weight.py dequantizes instead
     numba = None
@@ -427,10 +428,7 @@ if numba is not None:
                             value += bias[o]
                         out[t, o] = value
 
-    try:
-        int4_kernel = njit(cache=True, parallel=True)(_int4_loops)
-    except RuntimeError:  # no writable cache directory: compiled in every process
-        int4_kernel = njit(parallel=True)(_int4_loops)
+    int4_kernel = compiled(_int4_loops, parallel=True)
 
 
 def int4_linear(

@@ -42,9 +42,10 @@ import torch.nn.functional as F
 
 try:
     import numba
-    from numba import njit, prange
+    from numba import prange
 
     from pdserve.kernels.llvm_prefetch import CACHE_LINE_BYTES, prefetch_element
+    from pdserve.kernels.numba_compile import compiled
     from pdserve.kernels.numba_threads import run_parallel
 except ImportError:  # engine/layers/int8_weight.py dequantizes instead
     numba = None
@@ -79,10 +80,7 @@ if numba is not None:
                     out[0, row] += bias[row]
 
     def _jit(function):
-        try:
-            return njit(cache=True, parallel=True, fastmath=True)(function)
-        except RuntimeError:  # no writable cache directory: compiled in every process
-            return njit(parallel=True, fastmath=True)(function)
+        return compiled(function, parallel=True, fastmath=True)
 
     one_token_kernel = _jit(_one_token)
 

@@ -48,6 +48,7 @@ try:
     from numba.extending import intrinsic
 
     from pdserve.kernels.llvm_prefetch import emit_prefetch
+    from pdserve.kernels.numba_compile import compiled
     from pdserve.kernels.numba_threads import run_parallel
 except ImportError:  # the layer keeps its other kernels
     numba = None
@@ -201,10 +202,7 @@ if numba is not None:
                             value += bias[o]
                         out[t, o] = value
 
-    try:
-        panel_kernel = njit(cache=True, parallel=True)(_panel_loops)
-    except RuntimeError:  # no writable cache directory: compiled in every process
-        panel_kernel = njit(parallel=True)(_panel_loops)
+    panel_kernel = compiled(_panel_loops, parallel=True)
 
 
 def panel_linear(
