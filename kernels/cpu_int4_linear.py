@@ -34,9 +34,10 @@ low nibbles, 8-15 from the high ones), and stay 16-bit for a group (at most 8 x 
 each row's fp32 running sum takes it times scale * s, plus minimum * the inputs' sum. One
 broadcast a token and chunk (an earlier layout, pairs of rows' inputs i, i + 1 | i + 2, i + 3 in
 a byte's nibbles, took two) made the kernel 1.2-1.4x as fast at 8 to 512 tokens (the default
-model's linears on a Xeon held to AVX2; no change at 1 to 4 tokens, where memory bounds it). The panels are split over numba's threads in
-contiguous runs; while a panel's blocks multiply, they ask for the next panel's lines into the
-second-level cache (llvm.prefetch), a share of each group's five lines per block.
+model's linears on a Xeon held to AVX2; no change at 1 to 4 tokens, where memory bounds it).
+The panels are split over numba's threads in contiguous runs; while a panel's blocks multiply,
+they ask for the next panel's lines into the second-level cache (llvm.prefetch), a share of
+each group's five lines per block.
 
 Rows that fill no whole panel are padded with zero scales and minimums, inputs that fill no
 whole group with zero values (and zero inputs). Compiled on first use and cached on disk like
