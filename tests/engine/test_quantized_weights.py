@@ -21,6 +21,10 @@ scale and minimum per row and 32 inputs, inputs rounded to int8 inside each line
   Whole and chunked scoring agree to float noise under int8. Under int4 they differ by up to
   0.07 nats on the tiny models (bound 0.15): the attention's sums round in another order when
   chunked, and an input a hair from a rounding boundary then rounds to the other int8 value.
+- The default model ships as Q4_1 (an fp16 scale and minimum per 32 inputs), so its fp32
+  weights are 4-bit values already: int4 gives each back within a quarter of a step (0.059 of a
+  step measured; only its bf16 scales and minimums move a weight), where weights of no such
+  structure would be up to half a step off.
 - Nothing is leaked: every block is free after each engine's requests.
 """
 
@@ -109,3 +113,28 @@ def test_logprobs_on_the_default_model_stay_within_the_bound(quantization, defau
     worst = greedy_logprob_differences(model_dir, prompts, quantization=quantization)
     assert max(worst.values()) <= EXPECTED[quantization].default_model_bound, worst
     assert worst["whole"] > 1e-3, worst
+
+
+@pytest.mark.default_model
+def test_int4_gives_back_the_default_models_shipped_4_bit_values(default_model_dir):
+    from safetensors.torch import load_file
+
+    from pdserve.kernels.cpu_int4_linear import GROUP, dequantize, quantize
+
+    weights = {}
+    for path in sorted(default_model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    linears = {
+        name: weight.float()
+        for name, weight in weights.items()
+        if weight.dim() == 2 and "embed" not in name
+    }
+    assert len(linears) >= 7 * 30, sorted(linears)  # q, k, v, o, gate, up, down per layer
+    worst = 0.0
+    for name, weight in linears.items():
+        q, scale, minimum = quantize(weight)
+        step = scale.repeat_interleave(GROUP, dim=1)[:, : weight.shape[1]]
+        off = (dequantize(q, scale, minimum) - weight).abs() / step.clamp_min(1e-30)
+        worst = max(worst, float(off.max()))
+        assert worst < 0.25, f"{name}: a weight {worst:.3f} of a step from the shipped value"
+
