@@ -212,13 +212,7 @@ if numba is not None:
                 for p in range(head_dim):
                     out[seq, first_head + h, order[p]] = acc[h * head_dim + p] * inverse
 
-    def _compile(function):
-        """Compiled on first call, cached on disk; where no cache directory is writable (numba
-        refuses cache=True there), compiled in every process instead."""
-        options = {"parallel": True, "fastmath": {"reassoc", "contract"}}
-        return compiled(function, **options)
-
-    decode_kernel = _compile(_decode_loops)
+    decode_kernel = compiled(_decode_loops, parallel=True, fastmath={"reassoc", "contract"})
 
     @functools.cache
     def compiled_for(heads: int, head_dim: int, tokens: int):

@@ -42,9 +42,6 @@ except ImportError:  # engine/runner/decode_batch_step.py reports the path unava
 
 if numba is not None:
 
-    def _jit(function, parallel=True):
-        return compiled(function, parallel=parallel)
-
     def _norm_rows(hidden, weight, eps, out):
         """out[r] = rms_norm(hidden[r]) for every row."""
         for row in prange(hidden.shape[0]):
@@ -95,9 +92,9 @@ if numba is not None:
                 for d in range(head_dim):
                     out[row, head * head_dim + d] = narrow(attended[row, head, d], out)
 
-    norm_rows = _jit(_norm_rows)
-    add_norm_rows = _jit(_add_norm_rows)
-    _rope_store_attend_kernel = _jit(_rope_store_attend)
+    norm_rows = compiled(_norm_rows, parallel=True)
+    add_norm_rows = compiled(_add_norm_rows, parallel=True)
+    _rope_store_attend_kernel = compiled(_rope_store_attend, parallel=True)
 
     @functools.cache
     def rope_store_attend_for(
@@ -116,4 +113,4 @@ if numba is not None:
                 heads_per_call, tokens,
             )
 
-        return _jit(rope_store_attend, parallel=False)
+        return compiled(rope_store_attend, parallel=False)

@@ -79,10 +79,7 @@ if numba is not None:
                 if bias.shape[0] != 0:
                     out[0, row] += bias[row]
 
-    def _jit(function):
-        return compiled(function, parallel=True, fastmath=True)
-
-    one_token_kernel = _jit(_one_token)
+    one_token_kernel = compiled(_one_token, parallel=True, fastmath=True)
 
 
 def int8_linear(
