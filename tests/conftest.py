@@ -36,6 +36,7 @@ PROCESS_MODULES = (
     "cli/test_plan.py",
     "cli/test_wheel_install.py",
     "kernels/test_instruction_sets.py",
+    "kernels/test_numba_compile.py",
     "kvtransfer/test_cuda_ipc.py",
     "kvtransfer/test_failures.py",
     "kvtransfer/test_inprocess.py",
@@ -48,7 +49,7 @@ PROCESS_MODULES = (
     "wire/test_cluster_secret.py",
 )
 # process modules light enough in memory to run beside the shared lane (worker_lanes)
-BESIDE_THE_LANE = ("kernels/test_instruction_sets.py",)
+BESIDE_THE_LANE = ("kernels/test_instruction_sets.py", "kernels/test_numba_compile.py")
 SLOW_MODULES = (
     "cli/test_chat_command.py",
     "engine/test_admission.py",
