@@ -4,9 +4,10 @@ compiled by numba for the host's vectors (AVX2, AVX-512, NEON alike), its produc
 integers.
 
 Why. A batch-1 decode step reads every weight once, so its linears are bound by the weights'
-bytes where the multiplying keeps up: 4-bit values with a bf16 scale and minimum per 32 take 5
+bytes where the multiplying keeps up: 4-bit values with an fp16 scale and minimum per 32 take 5
 bits a weight, 0.63x of int8's 8.25 (its fp32 scale per row included) and 0.16x of fp32's 32.
-llama.cpp's Q4_1 stores the same 5 bits (fp16 where this has bf16). Multiplied in fp32 (each
+llama.cpp's Q4_1 stores the same values, so a model shipped in it (the default model's GGUF)
+is multiplied with exactly its file's weights. Multiplied in fp32 (each
 4-bit value widened, converted and fused-multiply-added), the default model's weights went
 through at 23 G weights/s on two threads of a Xeon held to AVX2, as fast as int8's, so no faster
 a step; summed as integers, 32 products take two instructions (below).
@@ -23,8 +24,9 @@ rest is fp32, its order the kernel's.
 How. The weight is packed in panels of PANEL_ROWS output rows (as kernels/cpu_panel_linear.py
 packs fp32 and int8 ones), in groups: a panel's group is CHUNKS chunks of 32 bytes, one per four
 inputs i..i+3, whose byte 4m + j holds row m's input i + j in its low nibble and row m + 8's in
-its high one; then the 16 rows' bf16 scales and their 16 bf16 minimums: GROUP_BYTES = 320
-contiguous bytes, five cache lines. For each chunk a block of up to TOKENS_PER_BLOCK tokens
+its high one; then the 16 rows' fp16 scales and their 16 fp16 minimums (widened by F16C on x86,
+in integers where the target has no such instruction): GROUP_BYTES = 320 contiguous bytes, five
+cache lines. For each chunk a block of up to TOKENS_PER_BLOCK tokens
 splits the 32 bytes into their low and high nibbles (an `and`, a shift) and multiplies each by a
 token's four int8 inputs i..i+3, broadcast as one 32-bit word, summing adjacent products: x86's
 vpmaddubsw with AVX2 (4-bit values are unsigned, inputs signed, as it wants), written out in
@@ -73,7 +75,7 @@ QMAX = 15  # 4-bit values are 0 .. 15
 INPUT_QMAX = 127  # inputs are rounded to -127 .. 127 per token and group
 CHUNKS = GROUP // 4  # a group's 32-byte chunks, four inputs of 16 rows each
 QUANT_BYTES = GROUP * PANEL_ROWS // 2  # a group's 4-bit values in a panel
-GROUP_BYTES = QUANT_BYTES + 2 * PANEL_ROWS * 2  # and its bf16 scales and minimums
+GROUP_BYTES = QUANT_BYTES + 2 * PANEL_ROWS * 2  # and its fp16 scales and minimums
 TOKENS_PER_BLOCK = 4  # tokens that share each chunk's split nibbles
 TOKENS_PER_PASS = 60  # tokens that go through all of a thread's panels before the next ones
 
@@ -94,10 +96,41 @@ def _target_has_avx2() -> bool:
 
 _TARGET_HAS_AVX2 = _target_has_avx2()
 
+# fp16 widened to fp32, as LLVM IR: one instruction on a target that has it (x86's F16C, ARM);
+# elsewhere LLVM calls a library function numba's JIT may not hold (the baseline x86-64 crashes).
+_WIDEN_HALVES_IR = """
+define <8 x float> @widen(<8 x half> %halves) {
+  %widened = fpext <8 x half> %halves to <8 x float>
+  ret <8 x float> %widened
+}
+"""
+_HALF_LIBRARY_CALLS = ("extendhfsf2", "h2f_ieee")  # LLVM's names for that function
 
-def _bf16(values: torch.Tensor) -> torch.Tensor:
-    """fp32 values rounded to bf16 and back (what the kernel reads)."""
-    return values.to(torch.bfloat16).float()
+
+def _target_widens_halves() -> bool:
+    """Whether numba's target (its NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, else the host) widens
+    fp16 to fp32 in its own instructions: LLVM is asked to compile `_WIDEN_HALVES_IR` for it."""
+    if numba is None:
+        return False
+    from llvmlite import binding
+    from numba.core.codegen import get_host_cpu_features, initialize_llvm
+
+    initialize_llvm()  # what numba does before it compiles: its target registered
+    features = numba.config.CPU_FEATURES
+    machine = binding.Target.from_triple(binding.get_process_triple()).create_target_machine(
+        cpu=numba.config.CPU_NAME or binding.get_host_cpu_name(),
+        features=get_host_cpu_features() if features is None else features,
+    )
+    assembly = machine.emit_assembly(binding.parse_assembly(_WIDEN_HALVES_IR))
+    return not any(call in assembly for call in _HALF_LIBRARY_CALLS)
+
+
+_TARGET_WIDENS_HALVES = _target_widens_halves()
+
+
+def _fp16(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to fp16 and back (what the kernel reads)."""
+    return values.to(torch.float16).float()
 
 
 def _grouped(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,14 +144,22 @@ def _grouped(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [out, in] of any float dtype -> (q [out, in] uint8 in 0 .. 15, scale and minimum
-    [out, ceil(in / GROUP)] fp32 holding bf16 values): per row and group, minimum = the smallest
-    weight and scale = (largest - smallest) / 15, both rounded to bf16 first, then
-    q = round((w - minimum) / scale) clamped to 0 .. 15 (a group of equal weights: scale 0, q 0)."""
+    [out, ceil(in / GROUP)] fp32 holding fp16 values): per row and group, minimum = the smallest
+    weight and scale = (largest - smallest) / 15, both rounded to fp16 first, then
+    q = round((w - minimum) / scale) clamped to 0 .. 15 (a group of equal weights: scale 0, q 0).
+    A weight that is not finite, or whose group's minimum or scale fp16 cannot hold (beyond
+    65,504), raises ValueError. Weights that llama.cpp's Q4_1 stood for (a GGUF's) come back as
+    its exact 4-bit values, scales and minimums."""
     grouped, real = _grouped(weight.detach().float())
     smallest = torch.where(real, grouped, torch.inf).amin(dim=2)
     largest = torch.where(real, grouped, -torch.inf).amax(dim=2)
-    minimum = _bf16(smallest)
-    scale = _bf16((largest - smallest) / QMAX)
+    minimum = _fp16(smallest)
+    scale = _fp16((largest - smallest) / QMAX)
+    if not (torch.isfinite(minimum).all() and torch.isfinite(scale).all()):
+        raise ValueError(
+            "int4 quantization needs finite weights whose groups' minimums and ranges / 15 fp16 "
+            f"holds (at most 65,504 in size); this weight's lie in [{weight.min()}, {weight.max()}]"
+        )
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((grouped - minimum[:, :, None]) / divisor[:, :, None]).clamp_(0, QMAX)
     q = q.flatten(1)[:, : weight.shape[1]].to(torch.uint8)
@@ -158,7 +199,7 @@ def reference(
 
 def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """(q, scale, minimum) from `quantize` -> panels [ceil(out / 16), groups, GROUP_BYTES]
-    uint8 (the module's docstring tells the layout; little-endian bf16)."""
+    uint8 (the module's docstring tells the layout; little-endian fp16)."""
     out_features, in_features = q.shape
     groups = scale.shape[1]
     rows = -(-out_features // PANEL_ROWS) * PANEL_ROWS
@@ -168,12 +209,12 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.T
     nibbles = halves[:, 0] | (halves[:, 1] << 4)  # [panels, m, groups, chunks, j]
     nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(-1, groups, QUANT_BYTES)
 
-    def bf16_bytes(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [panels, groups, 32]
-        padded = F.pad(values, (0, 0, 0, rows - out_features)).to(torch.bfloat16)
+    def fp16_bytes(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [panels, groups, 32]
+        padded = F.pad(values, (0, 0, 0, rows - out_features)).to(torch.float16)
         by_panel = padded.view(-1, PANEL_ROWS, groups).transpose(1, 2).contiguous()
         return by_panel.view(torch.uint8)
 
-    return torch.cat([nibbles, bf16_bytes(scale), bf16_bytes(minimum)], dim=2).contiguous()
+    return torch.cat([nibbles, fp16_bytes(scale), fp16_bytes(minimum)], dim=2).contiguous()
 
 
 if numba is not None:
@@ -199,6 +240,29 @@ if numba is not None:
             builder.shuffle_vector(products, products, even),
             builder.shuffle_vector(products, products, odd),
         )
+
+    def _widened_halves(builder, pointer):
+        """The PANEL_ROWS fp16 values at byte `pointer` as <16 x float>: one instruction where
+        the target has one (`_target_widens_halves`); elsewhere in integers, exact for every
+        finite value (`quantize` stores no other): the magnitude's bits moved into fp32's
+        places, times 2^112 (the exponents' bias apart; an fp16 subnormal becomes an fp32 one),
+        and the sign put back."""
+        lanes = ir.VectorType(ir.FloatType(), PANEL_ROWS)
+        if _TARGET_WIDENS_HALVES:
+            halves = ir.VectorType(ir.HalfType(), PANEL_ROWS)
+            address = builder.bitcast(pointer, halves.as_pointer())
+            return builder.fpext(builder.load(address, align=2), lanes)
+        i16x16 = ir.VectorType(ir.IntType(16), PANEL_ROWS)
+        i32x16 = ir.VectorType(ir.IntType(32), PANEL_ROWS)
+        splat = lambda value: ir.Constant(i32x16, [value] * PANEL_ROWS)
+        address = builder.bitcast(pointer, i16x16.as_pointer())
+        words = builder.zext(builder.load(address, align=2), i32x16)
+        magnitude = builder.shl(builder.and_(words, splat(0x7FFF)), splat(13))
+        rebiased = builder.fmul(
+            builder.bitcast(magnitude, lanes), ir.Constant(lanes, [2.0**112] * PANEL_ROWS)
+        )
+        sign = builder.shl(builder.and_(words, splat(0x8000)), splat(16))
+        return builder.bitcast(builder.or_(builder.bitcast(rebiased, i32x16), sign), lanes)
 
     def _rows_of_pairs(builder, low_rows, high_rows):
         """Two <16 x i16> whose lanes 2m and 2m + 1 belong to row m (of rows 0-7, and of rows
@@ -246,7 +310,6 @@ if numba is not None:
                 const = lambda value: ir.Constant(i64, value)
                 lanes = ir.VectorType(ir.FloatType(), PANEL_ROWS)
                 i16x16 = ir.VectorType(i16, PANEL_ROWS)
-                i32x16 = ir.VectorType(i32, PANEL_ROWS)
                 i32x8 = ir.VectorType(i32, HALF_ROWS)
                 bytes32 = ir.VectorType(i8, 2 * PANEL_ROWS)
                 fmuladd = cgutils.get_or_insert_function(
@@ -262,13 +325,8 @@ if numba is not None:
                     zeros = ir.Constant(ir.VectorType(i32, count), [0] * count)
                     return builder.shuffle_vector(one, ir.Constant(vector_type, None), zeros)
 
-                def bf16_vector(byte_offset):
-                    address = builder.bitcast(
-                        builder.gep(data, [byte_offset]), i16x16.as_pointer()
-                    )
-                    words = builder.zext(builder.load(address, align=2), i32x16)
-                    shifted = builder.shl(words, ir.Constant(i32x16, [16] * PANEL_ROWS))
-                    return builder.bitcast(shifted, lanes)
+                def fp16_vector(byte_offset):
+                    return _widened_halves(builder, builder.gep(data, [byte_offset]))
 
                 def element(array, row, column):  # array[row, column] of a 2-D C array
                     width = builder.extract_value(array.shape, 1)
@@ -330,8 +388,8 @@ if numba is not None:
                                 for part, nibbles in zip(sums[t], (low, high))
                             ]
                     totals = [_rows_of_pairs(builder, *parts) for parts in sums]
-                    scale = bf16_vector(builder.add(group_start, const(QUANT_BYTES)))
-                    minimum = bf16_vector(
+                    scale = fp16_vector(builder.add(group_start, const(QUANT_BYTES)))
+                    minimum = fp16_vector(
                         builder.add(group_start, const(QUANT_BYTES + 2 * PANEL_ROWS))
                     )
                     for t in range(tokens):

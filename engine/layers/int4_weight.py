@@ -1,5 +1,5 @@
 """A linear layer's weight quantized to 4 bits when the model loads (`--quantization int4`:
-one bf16 scale and one bf16 minimum per output row and group of 32 inputs, round to nearest),
+one fp16 scale and one fp16 minimum per output row and group of 32 inputs, round to nearest),
 multiplied by kernels/cpu_int4_linear.py for any number of tokens, its inputs rounded to int8
 per token and group inside the kernel.
 

@@ -1,5 +1,6 @@
 """The 4-bit linear (kernels/cpu_int4_linear.py): its rounding (4-bit values in range, a weight
-within half a step of what it stands for, bf16 scales and minimums), the packing's layout, the
+within half a step of what it stands for, fp16 scales and minimums; weights beyond fp16 refused),
+the packing's layout, every finite fp16 minimum widened exactly, the
 kernel against its torch reference for every block of tokens it has a path for (none, one to
 four tokens, several blocks and a remainder, more than a pass), rows that fill no whole panel
 and inputs that fill no whole group, with and without a bias; how far rounding the inputs to
@@ -38,12 +39,12 @@ def test_rounding_keeps_each_weight_within_half_a_step_of_what_it_stands_for():
     q, scale, minimum = quantize(weight)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15
     assert scale.shape == minimum.shape == (40, 3)
-    assert torch.equal(scale, scale.to(torch.bfloat16).float())  # bf16 values
+    assert torch.equal(scale, scale.to(torch.float16).float())  # fp16 values
     assert scale[3, 0] == 0 and minimum[3, 0] == 0.5 and not q[3, :32].any()
     step = scale.repeat_interleave(GROUP, dim=1)[:, :70]
     error = (dequantize(q, scale, minimum) - weight).abs()
-    # half a step, and the bf16 rounding of the minimum (a 256th of it at most)
-    bound = step / 2 + minimum.abs().repeat_interleave(GROUP, dim=1)[:, :70] / 256 + 1e-6
+    # half a step, and the fp16 rounding of the minimum (a 2,048th of it at most)
+    bound = step / 2 + minimum.abs().repeat_interleave(GROUP, dim=1)[:, :70] / 2048 + 1e-6
     assert (error <= bound).all()
     assert float(error.max()) > 0.01, "nothing was rounded: are the weights quantized?"
 
@@ -62,13 +63,35 @@ def test_packing_puts_four_inputs_of_sixteen_rows_in_each_32_byte_chunk():
         assert byte & 0x0F == q[panel * 16 + row, column]
         high_row = panel * 16 + 8 + row
         assert byte >> 4 == (q[high_row, column] if high_row < 21 else 0)
-    scales = panels[0, 1, QUANT_BYTES : QUANT_BYTES + 32].view(torch.bfloat16).float()
-    minimums = panels[0, 1, QUANT_BYTES + 32 :].view(torch.bfloat16).float()
-    assert torch.equal(scales, scale[:16, 1].to(torch.bfloat16).float())
-    assert torch.equal(minimums, minimum[:16, 1].to(torch.bfloat16).float())
+    scales = panels[0, 1, QUANT_BYTES : QUANT_BYTES + 32].view(torch.float16).float()
+    minimums = panels[0, 1, QUANT_BYTES + 32 :].view(torch.float16).float()
+    assert torch.equal(scales, scale[:16, 1].to(torch.float16).float())
+    assert torch.equal(minimums, minimum[:16, 1].to(torch.float16).float())
     padded = panels[1, 1]  # rows 21..31 and inputs 40..63 are padding: zeros
     assert not padded[QUANT_BYTES + 2 * 5 : QUANT_BYTES + 32].any()
     assert not panels[1, 1, 3 * 32 :QUANT_BYTES].any()
+
+
+@pytest.mark.parametrize("bad", [-70000.0, 1e6, float("inf"), float("nan")])
+def test_weights_whose_minimum_or_step_fp16_cannot_hold_are_refused(bad):
+    weight = torch.zeros(2, 32)
+    weight[1, 5] = bad
+    with pytest.raises(ValueError, match="fp16"):
+        quantize(weight)
+
+
+@pytest.mark.skipif(not int4_kernel_available(), reason="needs numba")
+def test_every_finite_fp16_minimum_is_widened_exactly():
+    """Zero 4-bit values and one input of 1.0: each row's output is its minimum times 1, so the
+    kernel's widening of every finite fp16 value (subnormals, zeros, the largest) shows."""
+    codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    minimums = codes[torch.isfinite(codes)].float()[:, None]  # [63,488, 1]
+    q = torch.zeros(len(minimums), GROUP, dtype=torch.uint8)
+    panels = pack(q, torch.zeros_like(minimums), minimums)
+    x = torch.zeros(1, GROUP)
+    x[0, 0] = 1.0
+    got = int4_linear(panels.numpy(), x, NO_BIAS, len(minimums))
+    assert torch.equal(got[0], minimums[:, 0])
 
 
 @pytest.mark.skipif(not int4_kernel_available(), reason="needs numba")
