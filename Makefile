@@ -61,10 +61,8 @@ download: install
 serve: install
 	$(VENV)/bin/pdserve serve
 
-# Two workers (pytest-xdist): the modules that start processes or load the default model one at a
-# time on one of them, the in-process modules on the other (tests/conftest.py, worker_lanes).
 test: install
-	$(PY) -P -m pytest -q -n 2 --dist loadgroup --durations=20
+	$(PY) -P -m pytest -q --durations=20
 
 # In-process tests only (no server, node or peer process; nothing that takes seconds): a few minutes.
 test-fast: install

@@ -48,8 +48,6 @@ PROCESS_MODULES = (
     "router/test_tls_and_root_path.py",
     "wire/test_cluster_secret.py",
 )
-# process modules light enough in memory to run beside the shared lane (worker_lanes)
-BESIDE_THE_LANE = ("kernels/test_instruction_sets.py", "kernels/test_numba_compile.py")
 SLOW_MODULES = (
     "cli/test_chat_command.py",
     "engine/test_admission.py",
@@ -107,27 +105,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, modules in (("processes", PROCESS_MODULES), ("slow", SLOW_MODULES)):
             if any(fnmatch(item.path.relative_to(TESTS).as_posix(), p) for p in modules):
                 item.add_marker(marker)
-    for item, lane in worker_lanes(items).items():
-        item.add_marker(pytest.mark.xdist_group(lane))
-
-
-def worker_lanes(items: list[pytest.Item]) -> dict[pytest.Item, str]:
-    """The xdist group of each test when `make test` runs two workers (`-n 2 --dist
-    loadgroup`): a module stays on one worker, so its module-scoped servers start once. Every
-    module that starts processes or loads the default model shares one lane and runs one at a
-    time, as without workers: two of them at once (a default-model deployment holds over 6 GB,
-    a tensor-parallel pair of nodes over 8) overflow a 24 GiB machine. The in-process modules,
-    and the instruction-set children (kernels only), run on the other worker beside them."""
-    shared = {
-        item.path
-        for item in items
-        if "default_model_dir" in getattr(item, "fixturenames", ())
-        or (item.get_closest_marker("processes") and item.path.relative_to(TESTS).as_posix() not in BESIDE_THE_LANE)
-    }
-    return {
-        item: "processes" if item.path in shared else item.path.relative_to(TESTS).as_posix()
-        for item in items
-    }
 
 
 @pytest.fixture(scope="session")
