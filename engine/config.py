@@ -67,7 +67,7 @@ class EngineConfig:
     quantization: None (weights in `dtype`), "int8" or "int4": every linear's weight quantized
         when it loads. int8: one scale per output row, multiplied by CPU kernels in fp32
         (engine/layers/int8_weight.py); a quarter of fp32's weight bytes for decode steps.
-        int4: a bf16 scale and minimum per output row and 32 inputs, multiplied in integers
+        int4: an fp16 scale and minimum per output row and 32 inputs, multiplied in integers
         against inputs rounded to int8 per token and 32 (engine/layers/int4_weight.py); 5 bits a
         weight. Each with the accuracy bound tests/engine/test_quantized_weights.py states.
         CPU only.
