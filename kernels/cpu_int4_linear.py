@@ -7,10 +7,10 @@ Why. A batch-1 decode step reads every weight once, so its linears are bound by 
 bytes where the multiplying keeps up: 4-bit values with an fp16 scale and minimum per 32 take 5
 bits a weight, 0.63x of int8's 8.25 (its fp32 scale per row included) and 0.16x of fp32's 32.
 llama.cpp's Q4_1 stores the same values, so a model shipped in it (the default model's GGUF)
-is multiplied with exactly its file's weights. Multiplied in fp32 (each
-4-bit value widened, converted and fused-multiply-added), the default model's weights went
-through at 23 G weights/s on two threads of a Xeon held to AVX2, as fast as int8's, so no faster
-a step; summed as integers, 32 products take two instructions (below).
+is multiplied with exactly its file's weights. Multiplied in fp32 (each 4-bit value widened,
+converted and fused-multiply-added), the default model's weights went through at 23 G weights/s
+on two threads of a Xeon held to AVX2, as fast as int8's, so no faster a step; summed as
+integers, 32 products take two instructions (below).
 
 What it computes, for x [tokens, in] fp32 (`reference` below, in torch):
     w[o, i]  = q[o, i] * scale[o, g] + minimum[o, g]          q in 0 .. 15, g = i // GROUP
@@ -26,15 +26,15 @@ packs fp32 and int8 ones), in groups: a panel's group is CHUNKS chunks of 32 byt
 inputs i..i+3, whose byte 4m + j holds row m's input i + j in its low nibble and row m + 8's in
 its high one; then the 16 rows' fp16 scales and their 16 fp16 minimums (widened by F16C on x86,
 in integers where the target has no such instruction): GROUP_BYTES = 320 contiguous bytes, five
-cache lines. For each chunk a block of up to TOKENS_PER_BLOCK tokens
-splits the 32 bytes into their low and high nibbles (an `and`, a shift) and multiplies each by a
-token's four int8 inputs i..i+3, broadcast as one 32-bit word, summing adjacent products: x86's
-vpmaddubsw with AVX2 (4-bit values are unsigned, inputs signed, as it wants), written out in
-LLVM IR elsewhere. 16-bit lanes 2m and 2m + 1 then hold row m's two pairs (of rows 0-7 from the
-low nibbles, 8-15 from the high ones), and stay 16-bit for a group (at most 8 x 2 x 15 x 127 =
-30,480); at a group's end each lane pair is added into one 32-bit row sum (vpmaddwd by ones), and
-each row's fp32 running sum takes it times scale * s, plus minimum * the inputs' sum. One
-broadcast a token and chunk (an earlier layout, pairs of rows' inputs i, i + 1 | i + 2, i + 3 in
+cache lines. For each chunk a block of up to TOKENS_PER_BLOCK tokens splits the 32 bytes into
+their low and high nibbles (an `and`, a shift) and multiplies each by a token's four int8
+inputs i..i+3, broadcast as one 32-bit word, summing adjacent products: x86's vpmaddubsw with
+AVX2 (4-bit values are unsigned, inputs signed, as it wants), written out in LLVM IR elsewhere.
+16-bit lanes 2m and 2m + 1 then hold row m's two pairs (of rows 0-7 from the low nibbles, 8-15
+from the high ones), and stay 16-bit for a group (at most 8 x 2 x 15 x 127 = 30,480); at a
+group's end each lane pair is added into one 32-bit row sum (vpmaddwd by ones), and each row's
+fp32 running sum takes it times scale * s, plus minimum * the inputs' sum. One broadcast a
+token and chunk (an earlier layout, pairs of rows' inputs i, i + 1 | i + 2, i + 3 in
 a byte's nibbles, took two) made the kernel 1.2-1.4x as fast at 8 to 512 tokens (the default
 model's linears on a Xeon held to AVX2; no change at 1 to 4 tokens, where memory bounds it).
 The panels are split over numba's threads in contiguous runs; while a panel's blocks multiply,

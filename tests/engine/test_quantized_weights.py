@@ -139,4 +139,3 @@ def test_int4_gives_back_the_default_models_shipped_4_bit_weights_exactly(defaul
         step = scale.repeat_interleave(GROUP, dim=1)[:, : weight.shape[1]]
         off = float(((back - weight).abs() / step.clamp_min(1e-30)).max())
         assert torch.equal(back, weight), f"{name}: a weight {off:.3g} of a step from the file's"
-

@@ -1,9 +1,9 @@
 """The 4-bit linear (kernels/cpu_int4_linear.py): its rounding (4-bit values in range, a weight
 within half a step of what it stands for, fp16 scales and minimums; weights beyond fp16 refused),
-the packing's layout, every finite fp16 minimum widened exactly, the
-kernel against its torch reference for every block of tokens it has a path for (none, one to
-four tokens, several blocks and a remainder, more than a pass), rows that fill no whole panel
-and inputs that fill no whole group, with and without a bias; how far rounding the inputs to
+the packing's layout, every finite fp16 minimum widened exactly, the kernel against its torch
+reference for every block of tokens it has a path for (none, one to four tokens, several blocks
+and a remainder, more than a pass), rows that fill no whole panel and inputs that fill no whole
+group, with and without a bias; how far rounding the inputs to
 int8 moves a product; and the machine code of its chunks. tests/kernels/test_instruction_sets.py
 runs this file again with numba compiling for other instruction sets (AVX2: vpmaddubsw; the
 x86-64 baseline: the products written out)."""
