@@ -8,7 +8,7 @@ servers, nodes, KV peers, the command line), every test in a module matched by S
 Triton interpreter, node loops on real sockets). `make test-fast` runs the rest,
 `-m "not processes and not slow and not default_model"`, in under a minute; `make test` runs
 everything. A new module that starts a process, or whose tests take seconds, belongs in one of
-the lists.
+the lists. A test that asks for `default_model_dir` gets the `default_model` marker too.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 PROCESS_MODULES = (
     "e2e/*.py",
+    "engine/test_cpu_allocator.py",
     "engine/test_tensor_parallel.py",
     "faults/*.py",
     "ray/*.py",
@@ -105,6 +106,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, modules in (("processes", PROCESS_MODULES), ("slow", SLOW_MODULES)):
             if any(fnmatch(item.path.relative_to(TESTS).as_posix(), p) for p in modules):
                 item.add_marker(marker)
+        if "default_model_dir" in item.fixturenames:  # so no tier can miss one
+            item.add_marker("default_model")
 
 
 @pytest.fixture(scope="session")
@@ -155,29 +158,3 @@ def node_id():
     node = f"n{uuid.uuid4().hex[:10]}"
     yield node
     assert not (SHM_DIR / segment_name(node)).exists()
-
-
-@pytest.fixture(scope="session")
-def pdserve_process(default_model_dir, tmp_path_factory):
-    """`pdserve serve` on the default model (router, prefill node, decode node), as real
-    processes; they all write to the file `log_path`, which tests read to wait for events."""
-    from pdserve.commands.serve_process import ServeProcess
-
-    log_path = tmp_path_factory.mktemp("pdserve-serve") / "serve.log"
-    server = ServeProcess(
-        ["--model", str(default_model_dir), "--dtype", "float32", "--kv-cache-memory",
-         str(256 << 20)],
-        ready_timeout_s=240,
-        log_path=log_path,
-    )
-    server.log_path = log_path
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture(scope="session")
-def pdserve_server(pdserve_process) -> str:
-    """The URL of `pdserve_process`."""
-    return pdserve_process.url

@@ -12,7 +12,7 @@ from pdserve.engine.attention import attention_backend_class
 from pdserve.engine.attention.base import AttentionBackend
 from pdserve.engine.batch import build_flat_batch
 from pdserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from pdserve.engine.cpu.cpu_allocator import keep_freed_memory_for_reuse
+from pdserve.engine.cpu.cpu_allocator import keep_freed_memory_for_reuse, release_free_memory
 from pdserve.engine.distributed.group import RankGroup
 from pdserve.engine.distributed.rank_workers import RankWorkers
 from pdserve.engine.kv.kv_cache import KVCache, KVCacheSpec
@@ -179,6 +179,8 @@ class ModelRunner:
             if compiled:
                 logger.info("compiled on the CPU: %s", ", ".join(compiled))
         self.forward_paths = self._forward_paths()
+        if self.device.type == "cpu":
+            release_free_memory()  # what loading, packing and compiling freed
 
     def _forward_paths(self) -> list[ForwardPath]:
         """The paths this runner's steps may take, fastest first (engine/runner/forward_paths.py):

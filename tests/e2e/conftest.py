@@ -1,6 +1,6 @@
-"""Fixtures of the end-to-end tests: an openai client and the served model's id for the tests
-that talk to the session's `pdserve serve` on the default model (tests/conftest.py's
-pdserve_server), and `qwen3_reasoning_server`, a tiny Qwen3 served the way a thinking model is
+"""Fixtures of the end-to-end tests: `pdserve_process` (`pdserve serve` on the default model, shared
+by this folder's tests), an openai client and the served model's id for the tests that talk to
+it, and `qwen3_reasoning_server`, a tiny Qwen3 served the way a thinking model is
 (`--reasoning-parser qwen3`, a Qwen3-style chat template), for the clients that read thinking."""
 
 from __future__ import annotations
@@ -10,6 +10,32 @@ import pytest
 
 from pdserve.commands.serve_process import ServeProcess
 from tests.text.test_template_options import TEMPLATE  # Qwen3-style, with enable_thinking
+
+
+@pytest.fixture(scope="package")
+def pdserve_process(default_model_dir, tmp_path_factory):
+    """`pdserve serve` on the default model (router, prefill node, decode node), as real
+    processes; they all write to the file `log_path`, which tests read to wait for events.
+    Started by the first test of this folder that asks for it, stopped after the folder's last
+    test: its 6 GB are not held through the rest of the suite."""
+    log_path = tmp_path_factory.mktemp("pdserve-serve") / "serve.log"
+    server = ServeProcess(
+        ["--model", str(default_model_dir), "--dtype", "float32", "--kv-cache-memory",
+         str(256 << 20)],
+        ready_timeout_s=240,
+        log_path=log_path,
+    )
+    server.log_path = log_path
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="package")
+def pdserve_server(pdserve_process) -> str:
+    """The URL of `pdserve_process`."""
+    return pdserve_process.url
 
 
 @pytest.fixture(scope="module")
