@@ -31,11 +31,18 @@ _NEVER_TRIM = 2**31 - 1
 _TOP_PAD = 64 << 20
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc on Linux (whose malloc these tune), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
 def keep_freed_memory_for_reuse() -> bool:
     """Tunes glibc malloc for a long-running engine; returns whether it applied."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
     applied = all(
         libc.mallopt(option, value) == 1
         for option, value in (
@@ -58,7 +65,8 @@ def release_free_memory() -> str | None:
     if tcmalloc_release is not None:
         tcmalloc_release()
         return "tcmalloc"
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _glibc()
+    if libc is None:
         return None
-    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    libc.malloc_trim(0)
     return "glibc"

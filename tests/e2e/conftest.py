@@ -17,7 +17,7 @@ def pdserve_process(default_model_dir, tmp_path_factory):
     """`pdserve serve` on the default model (router, prefill node, decode node), as real
     processes; they all write to the file `log_path`, which tests read to wait for events.
     Started by the first test of this folder that asks for it, stopped after the folder's last
-    test: its 6 GB are not held through the rest of the suite."""
+    test: its 3.9 GB are not held through the rest of the suite."""
     log_path = tmp_path_factory.mktemp("pdserve-serve") / "serve.log"
     server = ServeProcess(
         ["--model", str(default_model_dir), "--dtype", "float32", "--kv-cache-memory",
