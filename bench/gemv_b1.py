@@ -1,10 +1,10 @@
 """Batch-1 matrix-vector products over a model's weight shapes: how fast each of torch's CPU
 kernels reads the weights of a decode step, against the machine's read bandwidth.
 
-A round multiplies a [1, in] vector by every linear weight of the model once, layer after
-layer, then the LM head: the bytes a batch-1 decode step streams, far more than any cache
-holds, so each weight comes from memory as in a real step. Every kernel runs one round in turn
-(fp32 F.linear, fp32 prepacked, bf16 F.linear, bf16 prepacked, bf16 torch.mv, ...), and each
+A round multiplies a [1, in] vector by every linear weight of the model once, layer after layer,
+then the LM head: the bytes a batch-1 decode step streams, far more than any cache holds, so each
+weight comes from memory as in a real step. Every kernel runs one round in turn (fp32 F.linear, fp32
+prepacked, bf16 F.linear, bf16 prepacked where oneDNN packs bf16, bf16 torch.mv, ...), and each
 number is the best of `--rounds` interleaved rounds: on a shared small machine another process's
 burst stalls whichever kernel it overlaps, and interleaving spreads that over all of them.
 
@@ -136,7 +136,15 @@ def _int8_weight(weight: torch.Tensor) -> object:
     return Int8Weight.quantize(weight, None)
 
 
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN can prepack a bf16 weight on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses elsewhere (an AMD Zen 3, any AVX2-only CPU)."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is not None and bool(supported())
+
+
 def kernels() -> list[Kernel]:
+    """Every kernel this machine can run, in the order of a round."""
     found = [
         Kernel("F.linear", torch.float32, lambda w: w, lambda x, w: F.linear(x, w)),
         Kernel("torch.mv", torch.float32, lambda w: w, lambda x, w: torch.mv(w, x[0])),
@@ -145,7 +153,8 @@ def kernels() -> list[Kernel]:
     ]
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found.insert(1, Kernel("oneDNN prepacked", torch.float32, _packed, _packed_call))
-        found.insert(4, Kernel("oneDNN prepacked", torch.bfloat16, _packed, _packed_call))
+        if _onednn_packs_bf16():
+            found.insert(4, Kernel("oneDNN prepacked", torch.bfloat16, _packed, _packed_call))
     from pdserve.kernels.cpu_gemv import cpu_gemv_available
 
     if cpu_gemv_available():
