@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from pdserve.bench.bandwidth import measure_bandwidth
 from pdserve.bench.machine import load_average, machine_info, report_head
+from pdserve.engine.cpu.cpu_features import onednn_packs_bf16
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -136,13 +137,6 @@ def _int8_weight(weight: torch.Tensor) -> object:
     return Int8Weight.quantize(weight, None)
 
 
-def _onednn_packs_bf16() -> bool:
-    """Whether oneDNN can prepack a bf16 weight on this CPU: it needs AVX-512 (BW, VL, DQ) or
-    AVX-NE-CONVERT, and refuses elsewhere (an AMD Zen 3, any AVX2-only CPU)."""
-    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return supported is not None and bool(supported())
-
-
 def kernels() -> list[Kernel]:
     """Every kernel this machine can run, in the order of a round."""
     found = [
@@ -153,7 +147,7 @@ def kernels() -> list[Kernel]:
     ]
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found.insert(1, Kernel("oneDNN prepacked", torch.float32, _packed, _packed_call))
-        if _onednn_packs_bf16():
+        if onednn_packs_bf16():  # it refuses to pack bf16 on an AVX2-only CPU
             found.insert(4, Kernel("oneDNN prepacked", torch.bfloat16, _packed, _packed_call))
     from pdserve.kernels.cpu_gemv import cpu_gemv_available
 

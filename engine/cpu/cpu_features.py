@@ -83,10 +83,19 @@ def detect_cpu_features() -> CpuFeatures:
             features = features_from_cpuinfo(CPUINFO.read_text())
         except OSError:
             features = CpuFeatures(False, False)
-    onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if features.bf16_instructions and onednn_bf16 is not None and not onednn_bf16():
+    if features.bf16_instructions and onednn_packs_bf16() is False:
         return dataclasses.replace(features, onednn_capped=True)
     return features
+
+
+def onednn_packs_bf16() -> bool | None:
+    """Whether oneDNN, as capped (ONEDNN_MAX_CPU_ISA), can pack and multiply bf16 weights
+    here: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, emulating where the CPU has no bf16
+    instructions. None where this torch cannot say."""
+    import torch
+
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return None if supported is None else bool(supported())
 
 
 def usable_cores() -> int:
